@@ -1,0 +1,7 @@
+"""A persistent, crash-safe expert layout ledger for SGLang's weight cache daemon.
+
+Import-light on purpose: ``layout-ledger`` (the CLI) and the daemon-side protocol logic must
+never import sglang or torch, so this package imports nothing at module level beyond the
+standard library. Import the submodules you need (``layout_ledger.ledger``,
+``layout_ledger.service``, ...).
+"""
