@@ -1,0 +1,386 @@
+"""The hook on ``ModelRunner.maybe_init_expert_location_metadata``: start from the daemons' layout.
+
+Register (one line in the plugin)::
+
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_expert_location_metadata",
+        around_maybe_init_expert_location_metadata,
+        HookType.AROUND,
+    )
+
+sglang 0.5.23 calls the target in ``ModelRunner.initialize`` before ``load_model``
+(model_runner.py:708 and :715). The original computes the engine's initial metadata and the
+expert distribution recorder (model_runner.py:753-782); this hook runs it first, then, with the
+weight cache on (``--weight-cache-mode client|daemon``) and a model that has expert-location
+metadata, on every rank of the engine:
+
+1. rank 0 makes a fresh engine_id and broadcasts it over the world CPU group (one id per engine
+   start, shared by all ranks, unique: a uuid; the host and pid in it are only for people
+   reading the daemon's ledger);
+2. each rank attaches to its own daemon at the socket path the IPC loader will use, and keeps
+   the attach connection open for the engine's lifetime (module state holds it);
+3. if another engine's move is pending there, it polls ``expert_layout_query`` until the move
+   ends, for at most ``SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT`` seconds (default 300);
+4. the ranks all-gather what they found over the world CPU group and all compute the same
+   ``startup_agreement.decide``;
+5. adopt the daemons' map (``expert_metadata.adopt_map``, one log line naming the version), keep
+   the initial layout, or raise ``ExpertLayoutStartupError`` with the reason on every rank.
+
+Dense models (no metadata), draft workers and the weight cache off: the original, untouched.
+A daemon that answers the attach with "Unknown request type" (sglang without this plugin) keeps
+no record: the engine starts with its own layout, logs one warning, and its shared weights are
+never rebalanced (``current_session().finding`` says why, for the rebalance hook).
+
+Every sglang internal this hook touches is read in this module: ``runner.is_draft_worker``,
+``runner.model_config``, ``runner.gpu_id``, the expert rank formula of model_runner.py:756-760,
+``get_model().weight_cache_mode`` / ``weight_cache_socket``, the loader's socket path rule
+(ipc_loader.py:458-460), and ``get_parallel().world_group`` (``GroupCoordinator``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from layout_ledger.layout import layout_digest
+from sglang_integration import client
+from sglang_integration.startup_agreement import (
+    AdoptLayout,
+    ExpertLayoutStartupError,
+    FailStartup,
+    FindingKind,
+    KeepInitialLayout,
+    RankFinding,
+    decide,
+)
+
+logger = logging.getLogger(__name__)
+
+HOOK_TARGET = (
+    "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_expert_location_metadata"
+)
+
+# Seconds a rank waits for another engine's pending move to end before the engine fails.
+WAIT_TIMEOUT_ENV = "SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT"
+DEFAULT_WAIT_TIMEOUT = 300.0
+# How often a waiting rank asks its daemon again.
+POLL_INTERVAL = 0.5
+
+
+@dataclass
+class EngineLayoutSession:
+    """This rank's standing with its daemon after startup; read by the loader and rebalance hooks.
+
+    ``attachment`` is open exactly when this rank's daemon keeps a record and the engine
+    started; ``version`` and ``digest`` describe the layout the engine routes with (version 0,
+    the engine's own digest, when it kept its initial layout).
+    """
+
+    engine_id: str
+    rank: int
+    socket_path: str
+    finding: FindingKind
+    attachment: client.Attachment | None
+    version: int
+    digest: str
+
+    @property
+    def attached(self) -> bool:
+        return self.attachment is not None and self.attachment.is_open
+
+
+class _ThisRank:
+    """The process-wide session (one engine rank per process); it holds the attach connection."""
+
+    session: EngineLayoutSession | None = None
+
+
+def current_session() -> EngineLayoutSession | None:
+    """This rank's session, or None (weight cache off, dense model, or startup not run)."""
+    return _ThisRank.session
+
+
+def around_maybe_init_expert_location_metadata(
+    original_fn: Callable[[Any], Any], runner: Any
+) -> None:
+    """AROUND hook body for ``ModelRunner.maybe_init_expert_location_metadata`` (HOOK_TARGET)."""
+    original_fn(runner)
+    if runner.is_draft_worker:
+        return
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+    from sglang.srt.runtime_context import get_model
+
+    if get_model().weight_cache_mode == "off":
+        return
+    metadata = get_global_expert_location_metadata()
+    if metadata is None:
+        return  # a model without routed experts: nothing to lay out
+    start_from_daemon_layout(
+        model_config=runner.model_config,
+        metadata=metadata,
+        moe_ep_rank=_expert_rank(),
+        socket_path=daemon_socket_path(runner.gpu_id),
+    )
+
+
+def start_from_daemon_layout(
+    *, model_config: Any, metadata: Any, moe_ep_rank: int, socket_path: str
+) -> EngineLayoutSession:
+    """Steps 1-5 of the module docstring for this rank; a collective over the world group."""
+    from sglang_integration.expert_metadata import adopt_map, map_of
+
+    world = _world_group()
+    rank = world.rank_in_group
+    engine_id = _shared_engine_id(world)
+    initial_digest = layout_digest(map_of(metadata))
+    finding, attachment, local_layout = read_daemon(
+        socket_path, engine_id, rank=rank, initial_digest=initial_digest
+    )
+    findings = world.all_gather_object(finding)
+    decision = decide(findings)
+    try:
+        if isinstance(decision, FailStartup):
+            raise ExpertLayoutStartupError(decision.reason)
+        if isinstance(decision, AdoptLayout):
+            # Every rank's own daemon holds this digest; build from the local copy.
+            the_map = (
+                local_layout.physical_to_logical_map
+                if local_layout is not None
+                else decision.physical_to_logical_map
+            )
+            changed = adopt_map(model_config, the_map, moe_ep_rank, metadata)
+            logger.info(
+                "Routing with the weight cache daemon's expert layout at version %d "
+                "(digest %s, %s the engine's initial layout)",
+                decision.version,
+                decision.digest[:12],
+                "replacing" if changed else "equal to",
+            )
+            version, digest = decision.version, decision.digest
+        else:
+            _log_kept_initial(decision, rank)
+            version, digest = 0, initial_digest
+    except BaseException:
+        if attachment is not None:
+            attachment.close()
+        raise
+    session = EngineLayoutSession(
+        engine_id=engine_id,
+        rank=rank,
+        socket_path=socket_path,
+        finding=finding.kind,
+        attachment=attachment if attachment is not None and attachment.is_open else None,
+        version=version,
+        digest=digest,
+    )
+    _ThisRank.session = session
+    return session
+
+
+def read_daemon(
+    socket_path: str,
+    engine_id: str,
+    *,
+    rank: int,
+    initial_digest: str,
+    wait_timeout: float | None = None,
+    poll_interval: float = POLL_INTERVAL,
+) -> tuple[RankFinding, client.Attachment | None, client.DaemonLayout | None]:
+    """Attach and wait out another engine's move; never raises (a failure is a finding).
+
+    Returns the finding, the attachment when the daemon accepted it (still open), and the
+    daemon's layout when the finding is a clean record.
+    """
+    attachment: client.Attachment | None = None
+
+    def finding(kind: FindingKind, **fields: Any) -> RankFinding:
+        return RankFinding(
+            rank=rank, kind=kind, socket_path=socket_path, initial_digest=initial_digest, **fields
+        )
+
+    try:
+        timeout = configured_wait_timeout() if wait_timeout is None else wait_timeout
+        attachment = client.attach(socket_path, engine_id)
+        reply = attachment.reply
+        kind = _KIND_OF_ATTACH_OUTCOME.get(reply.outcome)
+        if kind is not None:
+            return finding(kind, reason=reply.reason), attachment, None
+        if reply.outcome is not client.Outcome.OK or reply.layout is None:
+            return (
+                finding(
+                    FindingKind.UNREADABLE, reason=f"attach {reply.outcome.value}: {reply.reason}"
+                ),
+                attachment,
+                None,
+            )
+        layout = _wait_for_pending_move(socket_path, reply.layout, timeout, poll_interval)
+        if isinstance(layout, _WaitFailure):
+            return finding(layout.kind, reason=layout.reason), attachment, None
+        if layout.dirty:
+            return (
+                finding(FindingKind.DIRTY, reason=layout.dirty_reason or "marked dirty"),
+                attachment,
+                None,
+            )
+        actual = layout_digest(layout.physical_to_logical_map)
+        if actual != layout.digest:
+            return (
+                finding(
+                    FindingKind.UNREADABLE,
+                    reason=f"the daemon's map hashes to {actual[:12]}, not to the digest "
+                    f"{layout.digest[:12]} it reports",
+                ),
+                attachment,
+                None,
+            )
+        return (
+            finding(
+                FindingKind.RECORD,
+                version=layout.version,
+                digest=layout.digest,
+                physical_to_logical_map=layout.physical_to_logical_map,
+            ),
+            attachment,
+            layout,
+        )
+    except Exception as exc:  # every rank must reach the all-gather
+        logger.exception("Reading the expert layout of the daemon at %s failed", socket_path)
+        return (
+            finding(FindingKind.UNREADABLE, reason=f"{type(exc).__name__}: {exc}"),
+            attachment,
+            None,
+        )
+
+
+_KIND_OF_ATTACH_OUTCOME = {
+    client.Outcome.NO_DAEMON: FindingKind.NO_DAEMON,
+    client.Outcome.NO_RECORD: FindingKind.NO_RECORD,
+    client.Outcome.OLDER_DAEMON: FindingKind.OLDER_DAEMON,
+}
+
+
+@dataclass(frozen=True)
+class _WaitFailure:
+    kind: FindingKind
+    reason: str
+
+
+def _wait_for_pending_move(
+    socket_path: str, layout: client.DaemonLayout, timeout: float, poll_interval: float
+) -> client.DaemonLayout | _WaitFailure:
+    """The daemon's layout once no move is pending (or it is dirty), else a failure."""
+    if layout.pending is None or layout.dirty:
+        return layout
+    pending = layout.pending
+    logger.info(
+        "Engine %r is moving layers %s of the daemon at %s (from version %d); waiting up to "
+        "%g s (%s) for the move to end",
+        pending.engine_id,
+        list(pending.layers),
+        socket_path,
+        pending.base_version,
+        timeout,
+        WAIT_TIMEOUT_ENV,
+    )
+    deadline = time.monotonic() + timeout
+    while layout.pending is not None and not layout.dirty:
+        pending = layout.pending
+        if time.monotonic() >= deadline:
+            return _WaitFailure(
+                FindingKind.STUCK,
+                f"engine {pending.engine_id!r} began a move of layers {list(pending.layers)} "
+                f"from version {pending.base_version}, and it was still pending after "
+                f"{timeout:g} s ({WAIT_TIMEOUT_ENV})",
+            )
+        time.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
+        reply = client.query(socket_path)
+        if reply.outcome is not client.Outcome.OK or reply.layout is None:
+            return _WaitFailure(
+                FindingKind.UNREADABLE,
+                f"while waiting for engine {pending.engine_id!r}'s move: query "
+                f"{reply.outcome.value}: {reply.reason}",
+            )
+        layout = reply.layout
+    logger.info(
+        "The pending move on the daemon at %s ended (version %d)", socket_path, layout.version
+    )
+    return layout
+
+
+def configured_wait_timeout() -> float:
+    """``SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT`` in seconds (default 300); raise on a bad value."""
+    raw = os.environ.get(WAIT_TIMEOUT_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_WAIT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{WAIT_TIMEOUT_ENV}={raw!r} is not a finite number of seconds >= 0")
+    return value
+
+
+def daemon_socket_path(gpu_id: int) -> str:
+    """The socket the IPC loader connects to (ipc_loader.py:458-460, loader.py:4289-4291)."""
+    from sglang.srt.runtime_context import get_model
+
+    configured = get_model().weight_cache_socket
+    if configured is not None:
+        return configured
+    from sglang.srt.platforms import current_platform
+    from sglang.srt.weight_cache.protocol import get_socket_path
+
+    return get_socket_path(current_platform.get_device_uuid(int(gpu_id)))
+
+
+def _expert_rank() -> int:
+    """The ``moe_ep_rank`` the original passes to the metadata (model_runner.py:756-760)."""
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    parallel = get_parallel()
+    offset = parallel.ep_join_rank_offset if get_exec().moe.is_ep_scale_joiner else 0
+    return parallel.moe_ep_rank + offset
+
+
+def _world_group() -> Any:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().world_group
+
+
+def _shared_engine_id(world: Any) -> str:
+    """A new id made on the world group's first rank and broadcast to the others."""
+    import torch.distributed as dist
+
+    holder: list[str | None] = [None]
+    if world.rank_in_group == 0:
+        holder[0] = f"engine-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+    if world.world_size > 1:
+        dist.broadcast_object_list(holder, src=world.ranks[0], group=world.cpu_group)
+    engine_id = holder[0]
+    if not isinstance(engine_id, str) or not engine_id:
+        raise ExpertLayoutStartupError(f"rank 0 broadcast no engine id ({engine_id!r})")
+    return engine_id
+
+
+def _log_kept_initial(decision: KeepInitialLayout, rank: int) -> None:
+    if rank != 0:
+        return
+    kinds = {f.kind for f in decision.without_record}
+    listed = "; ".join(f.describe() for f in decision.without_record)
+    if kinds & {FindingKind.OLDER_DAEMON, FindingKind.NO_RECORD}:
+        logger.warning(
+            "Starting with this engine's own initial expert layout: some weight cache daemons "
+            "keep no expert layout record (%s). Experts in weights shared through these "
+            "daemons will not be rebalanced.",
+            listed,
+        )
+    else:
+        logger.info("Starting with this engine's own initial expert layout (%s)", listed)
