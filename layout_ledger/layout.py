@@ -2,15 +2,72 @@
 
 A map is ``num_layers`` rows of ``num_physical_slots`` Python ints, each the logical expert held
 in that slot (the same shape as ``ExpertLocationMetadata.physical_to_logical_map``).
+
+The digest is ``sha256(json.dumps(map, separators=(",", ":")))`` (PROTOCOL.md). Compact JSON of a
+list of rows is ``"[" + ",".join(row_json) + "]"``, so the digest can be computed from each
+row's JSON text; the ledger stores exactly that text per row, and a commit re-serializes only
+the rows it moved.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from layout_ledger.errors import InvalidRequest
 
 Map = list[list[int]]
+
+# Bounds that keep a hostile or broken request from costing the daemon memory or time.
+MAX_LAYERS = 4096
+MAX_SLOTS = 65536
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shape every map of one daemon incarnation has."""
+
+    num_layers: int
+    num_physical_slots: int
+    num_logical_experts: int
+
+    def __post_init__(self) -> None:
+        for name, value, bound in (
+            ("num_layers", self.num_layers, MAX_LAYERS),
+            ("num_physical_slots", self.num_physical_slots, MAX_SLOTS),
+            ("num_logical_experts", self.num_logical_experts, MAX_SLOTS),
+        ):
+            if not is_int(value) or not 1 <= value <= bound:
+                raise InvalidRequest(f"{name} must be an int in [1, {bound}], got {value!r}")
+        if self.num_logical_experts > self.num_physical_slots:
+            raise InvalidRequest(
+                f"num_logical_experts ({self.num_logical_experts}) exceeds "
+                f"num_physical_slots ({self.num_physical_slots}): every expert needs a slot"
+            )
+
+
+def is_int(value: Any) -> bool:
+    """A real Python int (bool, float, NaN and numpy scalars are not)."""
+    return type(value) is int
+
+
+def row_json(row: Sequence[int]) -> str:
+    """The compact JSON text of one row, as it appears inside the digested map."""
+    return json.dumps(list(row), separators=(",", ":"))
+
+
+def digest_of_row_jsons(row_jsons: Sequence[str]) -> str:
+    """The map digest from each row's compact JSON (equal to ``layout_digest`` of the map)."""
+    hasher = hashlib.sha256(b"[")
+    for index, text in enumerate(row_jsons):
+        if index:
+            hasher.update(b",")
+        hasher.update(text.encode())
+    hasher.update(b"]")
+    return hasher.hexdigest()
 
 
 def layout_digest(physical_to_logical_map: Sequence[Sequence[int]]) -> str:
@@ -25,3 +82,83 @@ def trivial_map(num_layers: int, num_physical_slots: int, num_logical_experts: i
     """sglang's trivial layout: physical slot ``i`` holds logical expert ``i % num_logical``."""
     row = [slot % num_logical_experts for slot in range(num_physical_slots)]
     return [list(row) for _ in range(num_layers)]
+
+
+def validate_row(row: Any, geometry: Geometry, what: str) -> list[int]:
+    """Return ``row`` as a list of ints, or raise ``InvalidRequest`` naming ``what`` is wrong."""
+    if not isinstance(row, (list, tuple)):
+        raise InvalidRequest(f"{what} must be a list of ints, got {type(row).__name__}")
+    if len(row) != geometry.num_physical_slots:
+        raise InvalidRequest(
+            f"{what} has {len(row)} slots; this layout has "
+            f"{geometry.num_physical_slots} physical slots per layer"
+        )
+    upper = geometry.num_logical_experts
+    # Fast path in C (a commit validates every slot of every moved layer); the loop below
+    # only runs to name the first bad slot.
+    if row and set(map(type, row)) == {int} and min(row) >= 0 and max(row) < upper:
+        return list(row)
+    for slot, value in enumerate(row):
+        if not is_int(value):
+            raise InvalidRequest(
+                f"{what} slot {slot} holds {value!r} ({type(value).__name__}); "
+                f"expected an int logical expert id"
+            )
+        if not 0 <= value < upper:
+            raise InvalidRequest(f"{what} slot {slot} holds expert {value}, outside [0, {upper})")
+    return list(row)
+
+
+def validate_map(physical_to_logical_map: Any, geometry: Geometry) -> Map:
+    """Return a validated copy of a whole map."""
+    if not isinstance(physical_to_logical_map, (list, tuple)):
+        raise InvalidRequest(
+            f"a map must be a list of rows, got {type(physical_to_logical_map).__name__}"
+        )
+    if len(physical_to_logical_map) != geometry.num_layers:
+        raise InvalidRequest(
+            f"the map has {len(physical_to_logical_map)} layers; expected {geometry.num_layers}"
+        )
+    return [
+        validate_row(row, geometry, f"layer {layer}")
+        for layer, row in enumerate(physical_to_logical_map)
+    ]
+
+
+def validate_layers(layers: Any, geometry: Geometry) -> tuple[int, ...]:
+    """A move's layer list: non-empty, ints, no duplicates, in range. Returned sorted."""
+    if not isinstance(layers, (list, tuple)):
+        raise InvalidRequest(f"layers must be a list of ints, got {type(layers).__name__}")
+    if not layers:
+        raise InvalidRequest("layers is empty; a move names at least one layer")
+    if len(layers) > geometry.num_layers:
+        raise InvalidRequest(
+            f"layers lists {len(layers)} entries but the model has {geometry.num_layers} layers"
+        )
+    seen: set[int] = set()
+    for layer in layers:
+        if not is_int(layer):
+            raise InvalidRequest(f"layer {layer!r} ({type(layer).__name__}) is not an int")
+        if not 0 <= layer < geometry.num_layers:
+            raise InvalidRequest(f"layer {layer} is outside [0, {geometry.num_layers})")
+        if layer in seen:
+            raise InvalidRequest(f"layer {layer} appears twice in layers")
+        seen.add(layer)
+    return tuple(sorted(seen))
+
+
+def validate_rows(rows: Any, layers: tuple[int, ...], geometry: Geometry) -> dict[int, list[int]]:
+    """A commit's ``{layer: row}``: exactly the pending ``layers``, each row valid."""
+    if not isinstance(rows, Mapping):
+        raise InvalidRequest(f"rows must be a dict {{layer: row}}, got {type(rows).__name__}")
+    if len(rows) > geometry.num_layers:
+        raise InvalidRequest(f"rows has {len(rows)} entries; the model has {geometry.num_layers}")
+    for key in rows:
+        if not is_int(key):
+            raise InvalidRequest(f"rows key {key!r} ({type(key).__name__}) is not an int layer")
+    if set(rows) != set(layers):
+        raise InvalidRequest(
+            f"rows cover layers {sorted(rows)} but the pending move is of layers {list(layers)}; "
+            f"commit exactly the pending layers"
+        )
+    return {layer: validate_row(rows[layer], geometry, f"row of layer {layer}") for layer in layers}

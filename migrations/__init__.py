@@ -1,0 +1,1 @@
+"""Alembic environment and revisions of the expert layout ledger schema (see alembic.ini)."""

@@ -1,0 +1,86 @@
+"""Every error the ledger raises: one root, a subclass per cause, messages that say what to do.
+
+The daemon-side service maps these to protocol replies: ``MoveBusy`` to ``busy``,
+``RequestRefused`` to ``refused`` (or ``layout_refused`` for a fetch), anything else to
+``error``. The CLI maps them to a one-line message and an exit code.
+"""
+
+from __future__ import annotations
+
+
+class LedgerError(Exception):
+    """Root of every error raised by layout_ledger."""
+
+
+# --- the file and its schema ---------------------------------------------------------------
+
+
+class LedgerFileError(LedgerError):
+    """The ledger file cannot be used: missing, a symlink, owned by another user, not SQLite."""
+
+
+class LedgerLocked(LedgerError):
+    """Another process already owns this ledger for writing."""
+
+
+class SchemaTooNew(LedgerError):
+    """The file's schema is newer than this code knows."""
+
+
+class SchemaOutdated(LedgerError):
+    """A read-only opener found an older schema that only a writer may upgrade."""
+
+
+class LedgerStorageError(LedgerError):
+    """SQLite failed while reading or writing the ledger (disk full, I/O error, corruption)."""
+
+
+# --- requests the state machine refuses ----------------------------------------------------
+
+
+class RequestRefused(LedgerError):
+    """A permanent refusal: the same request will never succeed against this record."""
+
+
+class InvalidRequest(RequestRefused):
+    """A field is missing, of the wrong type, out of range, duplicated or too large."""
+
+
+class EngineNotAttached(RequestRefused):
+    """The engine named in the request has no live attachment to this daemon."""
+
+
+class EngineAlreadyAttached(RequestRefused):
+    """An engine with this engine_id is already attached."""
+
+
+class LayoutDirty(RequestRefused):
+    """An engine left mid-move, so the weights' layout is unknown until the daemon restarts."""
+
+
+class StaleBaseVersion(RequestRefused):
+    """A begin named a base version that is not the current one."""
+
+
+class MoveAlreadyPending(RequestRefused):
+    """The engine already has a move pending."""
+
+
+class NoPendingMove(RequestRefused):
+    """A commit or abort arrived without a pending move of this engine."""
+
+
+class MovesDisabled(RequestRefused):
+    """A non-following engine fetched the weights; moves are off until the daemon restarts."""
+
+
+class NoRecord(RequestRefused):
+    """The daemon keeps no expert layout record (started without --enable-eplb)."""
+
+
+class LayoutMismatch(RequestRefused):
+    """A fetch named a layout other than the daemon's current one."""
+
+
+class MoveBusy(LedgerError):
+    """Try again later: another engine is attached or another engine's move is pending."""

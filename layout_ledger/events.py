@@ -1,0 +1,55 @@
+"""Event kinds and the event value every state change appends to the ledger's history."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+START = "start"  # a daemon incarnation began (version 0 recorded)
+END = "end"  # the incarnation ended (clean shutdown, or found unended at the next start)
+ATTACH = "attach"
+DETACH = "detach"
+BEGIN = "begin"
+COMMIT = "commit"
+ABORT = "abort"
+DIRTY = "dirty"  # an engine detached while its move was pending
+NON_FOLLOWING_FETCH = "non_following_fetch"
+PRUNE = "prune"
+BEGIN_BUSY = "begin_busy"
+# A refused request appends "<verb>_refused" (attach, begin, commit, abort, fetch) and nothing else.
+REFUSED_SUFFIX = "_refused"
+REFUSABLE_VERBS = ("attach", "begin", "commit", "abort", "fetch")
+
+# Kinds that end a pending move.
+MOVE_ENDING_KINDS = (COMMIT, ABORT, DIRTY)
+
+MAX_TEXT = 1024  # events store at most this many characters of an engine id or a reason
+
+
+def refused_kind(verb: str) -> str:
+    if verb not in REFUSABLE_VERBS:
+        raise ValueError(f"unknown verb {verb!r}; expected one of {REFUSABLE_VERBS}")
+    return verb + REFUSED_SUFFIX
+
+
+def clip(text: str | None) -> str | None:
+    if text is None or len(text) <= MAX_TEXT:
+        return text
+    return text[: MAX_TEXT - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Event:
+    """One row of the ``events`` table (``event_id`` and ``incarnation_id`` added on write)."""
+
+    at: str
+    kind: str
+    engine_id: str | None = None
+    layers: tuple[int, ...] | None = None
+    base_version: int | None = None
+    new_version: int | None = None
+    digest_after: str | None = None
+    reason: str | None = None
+
+    def layers_json(self) -> str | None:
+        return None if self.layers is None else json.dumps(list(self.layers))

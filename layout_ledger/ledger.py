@@ -1,0 +1,452 @@
+"""The ledger file opened for writing by its one daemon process.
+
+``Ledger.open(path)`` takes the writer lock, opens (or creates) the file, upgrades an older
+schema and refuses a newer one. ``start_incarnation`` ends whatever incarnation a crashed
+predecessor left open, records the new one at version 0, and returns its ``LedgerRecord``:
+the record's every change is one SQLite transaction, durable (``synchronous=FULL``) before the
+call returns, so a daemon replies ``ok`` only to what a crash cannot take back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, text
+from sqlalchemy.exc import DBAPIError
+
+from layout_ledger import events as ev
+from layout_ledger import reader, schema
+from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
+from layout_ledger.layout import Geometry, Map, layout_digest, validate_map
+from layout_ledger.migrate import upgrade_to_head
+from layout_ledger.record import LayoutRecord
+from layout_ledger.state import utc_now
+from layout_ledger.storage import WriterLock, open_writer_engine
+
+logger = logging.getLogger(__name__)
+
+# Retention the daemon applies by itself (see README "Retention"): every PRUNE_EVERY commits it
+# keeps the rows of the last KEEP_VERSIONS versions of each incarnation (always the current map
+# and every event). At one all-layer rebalance a minute on a 58-layer model that is ~17 hours of
+# full history and a ledger of a few tens of MiB.
+DEFAULT_KEEP_VERSIONS = 1000
+DEFAULT_PRUNE_EVERY = 100
+# A checkpoint that cannot reset the WAL past this size means a reader holds an old snapshot.
+WAL_WARN_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Retention:
+    keep_versions: int = DEFAULT_KEEP_VERSIONS
+    prune_every: int = DEFAULT_PRUNE_EVERY
+
+    def __post_init__(self) -> None:
+        if self.keep_versions < 1 or self.prune_every < 1:
+            raise LedgerError(
+                f"retention needs keep_versions >= 1 and prune_every >= 1, got "
+                f"{self.keep_versions} and {self.prune_every}"
+            )
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    incarnation_id: int
+    keep_from_version: int
+    rows_removed: int
+
+
+@dataclass(frozen=True)
+class CheckpointResult:
+    busy: bool
+    wal_frames: int
+    checkpointed_frames: int
+    wal_bytes: int
+
+
+def _storage_error(action: str, path: Path, exc: DBAPIError) -> LedgerStorageError:
+    return LedgerStorageError(f"{action} ledger {path} failed: {exc.orig}")
+
+
+class Ledger:
+    """One ledger file, owned for writing by this process."""
+
+    def __init__(self, path: Path, retention: Retention) -> None:
+        self.path = path
+        self.retention = retention
+        self._lock = threading.RLock()
+        self._writer_lock = WriterLock(path)
+        try:
+            self._engine = open_writer_engine(path)
+            self._conn: Connection = self._engine.connect()
+            upgrade_to_head(self._conn, path)
+            if self._conn.in_transaction():
+                self._conn.commit()
+        except DBAPIError as exc:
+            self._abandon()
+            if "not a database" in str(exc.orig):
+                raise LedgerFileError(f"{path} is not an SQLite database") from exc
+            raise _storage_error("opening", path, exc) from exc
+        except BaseException:
+            self._abandon()
+            raise
+        self.record: LedgerRecord | None = None
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], retention: Retention | None = None) -> Ledger:
+        return cls(Path(path), retention or Retention())
+
+    def _abandon(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.dispose()
+        self._writer_lock.release()
+
+    # --- transactions -------------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self, action: str) -> Iterator[Connection]:
+        """One BEGIN IMMEDIATE ... COMMIT; rolled back (and a LedgerStorageError) on failure."""
+        with self._lock:
+            try:
+                with self._conn.begin():
+                    yield self._conn
+            except DBAPIError as exc:
+                raise _storage_error(action, self.path, exc) from exc
+
+    @contextmanager
+    def reading(self) -> Iterator[Connection]:
+        with self._lock:
+            try:
+                with self._conn.begin():
+                    yield self._conn
+            except DBAPIError as exc:
+                raise _storage_error("reading", self.path, exc) from exc
+
+    # --- incarnations -------------------------------------------------------------------
+
+    def start_incarnation(
+        self,
+        geometry: Geometry,
+        initial_map: Map,
+        *,
+        config_fingerprint: str = "",
+        daemon_label: str = "",
+    ) -> LedgerRecord:
+        """Record a daemon start at version 0 and return its record."""
+        if self.record is not None:
+            raise LedgerError(
+                f"incarnation {self.record.incarnation_id} is still live in this process; "
+                f"end it before starting another"
+            )
+        initial_map = validate_map(initial_map, geometry)
+        digest = layout_digest(initial_map)
+        at = utc_now()
+        with self.transaction("starting an incarnation in") as conn:
+            self._end_unended(conn, at)
+            incarnation_id = conn.execute(
+                schema.incarnations.insert().values(
+                    started_at=at,
+                    config_fingerprint=config_fingerprint,
+                    daemon_label=daemon_label,
+                    num_layers=geometry.num_layers,
+                    num_physical_slots=geometry.num_physical_slots,
+                    num_logical_experts=geometry.num_logical_experts,
+                    initial_map=json.dumps(initial_map, separators=(",", ":")),
+                    initial_digest=digest,
+                )
+            ).inserted_primary_key[0]
+            all_layers = tuple(range(geometry.num_layers))
+            record = LedgerRecord(self, int(incarnation_id), geometry, initial_map)
+            _insert_version(
+                conn,
+                record.incarnation_id,
+                ev.Event(
+                    at=at,
+                    kind=ev.START,
+                    layers=all_layers,
+                    new_version=0,
+                    digest_after=digest,
+                    reason=daemon_label or None,
+                ),
+                {layer: text_ for layer, text_ in enumerate(record.row_jsons())},
+            )
+        self.record = record
+        self._prune_quietly()
+        logger.info(
+            "expert layout ledger %s: incarnation %d started at version 0 (digest %s)",
+            self.path,
+            record.incarnation_id,
+            digest,
+        )
+        return record
+
+    def _end_unended(self, conn: Connection, at: str) -> None:
+        """End incarnations a killed daemon left open; warn when the last one ended badly."""
+        previous = None
+        for inc in reader.incarnations(conn):
+            if inc.ended_at is None:
+                dirty = reader.dirty_mark(conn, inc.incarnation_id)
+                pending = reader.pending_move(conn, inc.incarnation_id)
+                state = "dirty" if dirty is not None else "unknown"
+                reason = "the daemon did not shut down cleanly (found unended at the next start)"
+                if pending is not None:
+                    reason += (
+                        f"; engine {pending.engine_id!r}'s move of layers {list(pending.layers)} "
+                        f"from version {pending.base_version} was pending"
+                    )
+                _end(conn, inc.incarnation_id, at, state, reason)
+            previous = reader.incarnation(conn, inc.incarnation_id)
+        if previous is not None and previous.end_state in ("dirty", "unknown"):
+            logger.warning(
+                "expert layout ledger %s: the previous daemon incarnation %d ended %s; its "
+                "history stays in the ledger (layout-ledger history %s --incarnation %d)",
+                self.path,
+                previous.incarnation_id,
+                previous.end_state,
+                self.path,
+                previous.incarnation_id,
+            )
+
+    def _prune_quietly(self) -> None:
+        try:
+            self.prune(self.retention.keep_versions)
+        except LedgerError as exc:
+            logger.warning("expert layout ledger %s: prune failed: %s", self.path, exc)
+
+    def end_incarnation(self) -> str | None:
+        """Record a clean daemon shutdown; the end state is dirty if the layout was unknown."""
+        record = self.record
+        if record is None:
+            return None
+        with record.lock:
+            state = "dirty" if (record.dirty or record.pending) else "clean"
+            reason = "daemon shut down"
+            if record.pending is not None:
+                reason += f" while engine {record.pending.engine_id!r}'s move was pending"
+            with self.transaction("ending the incarnation in") as conn:
+                _end(conn, record.incarnation_id, utc_now(), state, reason)
+            self.record = None
+            return state
+
+    def close(self) -> None:
+        """End the live incarnation cleanly (if any), checkpoint, release the file."""
+        try:
+            if self.record is not None:
+                self.end_incarnation()
+            self.checkpoint(truncate=True)
+        finally:
+            with self._lock:
+                self._conn.close()
+                self._engine.dispose()
+                self._writer_lock.release()
+
+    # --- retention and WAL ----------------------------------------------------------------
+
+    def prune(self, keep_versions: int, incarnation_id: int | None = None) -> list[PruneReport]:
+        """Keep, per incarnation, the rows of its last ``keep_versions`` versions.
+
+        The current map and every event stay; each kept version's map stays reconstructible
+        (each layer keeps the newest row at or before the oldest kept version). Refuses while
+        a move is pending on the incarnation it prunes.
+        """
+        if keep_versions < 1:
+            raise LedgerError(
+                f"--keep must be at least 1 (the current version), got {keep_versions}"
+            )
+        reports = []
+        with self.transaction("pruning") as conn:
+            targets = (
+                [reader.incarnation(conn, incarnation_id)]
+                if incarnation_id is not None
+                else reader.incarnations(conn)
+            )
+            for inc in targets:
+                report = _prune_one(conn, inc, keep_versions)
+                if report is not None:
+                    reports.append(report)
+        return reports
+
+    def checkpoint(self, *, truncate: bool = False) -> CheckpointResult:
+        mode = "TRUNCATE" if truncate else "PASSIVE"
+        with self._lock:
+            # Outside any transaction (a checkpoint cannot run inside one): use the driver
+            # connection directly, which autocommits (isolation_level=None).
+            driver = self._conn.connection.dbapi_connection
+            if driver is None:
+                raise LedgerError(f"ledger {self.path} is closed")
+            try:
+                row = driver.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
+            except sqlite3.Error as exc:
+                raise LedgerStorageError(f"checkpointing ledger {self.path} failed: {exc}") from exc
+        wal = self.path.with_name(self.path.name + "-wal")
+        size = wal.stat().st_size if wal.exists() else 0
+        result = CheckpointResult(bool(row[0]), int(row[1]), int(row[2]), size)
+        if size > WAL_WARN_BYTES and (
+            result.busy or result.checkpointed_frames < result.wal_frames
+        ):
+            logger.warning(
+                "expert layout ledger %s: the WAL is %d MiB and a checkpoint could not reset it; "
+                "a reader has held one snapshot open for a long time (close long-running sqlite3 "
+                "sessions on this file)",
+                self.path,
+                size // (1024 * 1024),
+            )
+        return result
+
+
+def _end(conn: Connection, incarnation_id: int, at: str, state: str, reason: str) -> None:
+    conn.execute(
+        schema.incarnations.update()
+        .where(schema.incarnations.c.incarnation_id == incarnation_id)
+        .values(ended_at=at, end_state=state)
+    )
+    _insert_events(
+        conn,
+        incarnation_id,
+        [ev.Event(at=at, kind=ev.END, reason=f"{state}: {reason}")],
+    )
+
+
+# The hot path (every commit) inserts with prepared driver SQL and tuples; the statements name
+# the same columns as ``schema``'s tables, which the schema drift test pins.
+_INSERT_EVENT = (
+    "INSERT INTO events (incarnation_id, at, kind, engine_id, layers, base_version, "
+    "new_version, digest_after, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_INSERT_VERSION = (
+    "INSERT INTO versions (incarnation_id, version, digest, committed_at, engine_id, layers) "
+    "VALUES (?, ?, ?, ?, ?, ?)"
+)
+_INSERT_ROW = "INSERT INTO layout_rows (incarnation_id, layer, version, slots) VALUES (?, ?, ?, ?)"
+
+
+def _insert_events(conn: Connection, incarnation_id: int, events: list[ev.Event]) -> None:
+    conn.exec_driver_sql(
+        _INSERT_EVENT,
+        [
+            (
+                incarnation_id,
+                event.at,
+                event.kind,
+                event.engine_id,
+                event.layers_json(),
+                event.base_version,
+                event.new_version,
+                event.digest_after,
+                event.reason,
+            )
+            for event in events
+        ],
+    )
+
+
+def _insert_version(
+    conn: Connection, incarnation_id: int, event: ev.Event, rows: Mapping[int, str]
+) -> None:
+    """A version's versions row, layout rows and event, in the caller's transaction."""
+    version = event.new_version
+    if version is None or event.digest_after is None or event.layers is None:
+        raise LedgerError(f"a {event.kind} event needs new_version, digest_after and layers")
+    conn.exec_driver_sql(
+        _INSERT_VERSION,
+        (
+            incarnation_id,
+            version,
+            event.digest_after,
+            event.at,
+            event.engine_id,
+            event.layers_json(),
+        ),
+    )
+    conn.exec_driver_sql(
+        _INSERT_ROW, [(incarnation_id, layer, version, slots) for layer, slots in rows.items()]
+    )
+    _insert_events(conn, incarnation_id, [event])
+
+
+def _prune_one(conn: Connection, inc: reader.Incarnation, keep_versions: int) -> PruneReport | None:
+    pending = reader.pending_move(conn, inc.incarnation_id) if inc.ended_at is None else None
+    if pending is not None:
+        raise LedgerError(
+            f"incarnation {inc.incarnation_id} has engine {pending.engine_id!r}'s move of layers "
+            f"{list(pending.layers)} pending; prune after it commits or aborts"
+        )
+    current, _ = reader.current_version(conn, inc.incarnation_id)
+    keep_from = max(0, current - keep_versions + 1)
+    if keep_from <= reader.reconstructible_from(conn, inc.incarnation_id):
+        return None
+    # Per layer, the newest row at or before keep_from is the base every kept version builds on.
+    removed = conn.execute(
+        text(
+            "DELETE FROM layout_rows WHERE incarnation_id = :i AND version < ("
+            "  SELECT max(r.version) FROM layout_rows r"
+            "  WHERE r.incarnation_id = layout_rows.incarnation_id"
+            "    AND r.layer = layout_rows.layer AND r.version <= :keep)"
+        ),
+        {"i": inc.incarnation_id, "keep": keep_from},
+    ).rowcount
+    _insert_events(
+        conn,
+        inc.incarnation_id,
+        [
+            ev.Event(
+                at=utc_now(),
+                kind=ev.PRUNE,
+                base_version=keep_from,
+                new_version=current,
+                reason=f"removed {removed} layout rows older than version {keep_from}",
+            )
+        ],
+    )
+    return PruneReport(inc.incarnation_id, keep_from, int(removed))
+
+
+class LedgerRecord(LayoutRecord):
+    """A layout record whose every change is written to the ledger before it takes effect."""
+
+    def __init__(
+        self, ledger: Ledger, incarnation_id: int, geometry: Geometry, initial_map: Map
+    ) -> None:
+        super().__init__(incarnation_id, geometry, initial_map)
+        self.ledger = ledger
+
+    def row_jsons(self) -> list[str]:
+        return list(self._row_jsons)
+
+    def _persist(self, *events: ev.Event, rows: Mapping[int, str] | None = None) -> None:
+        with self.ledger.transaction("writing to") as conn:
+            if rows is not None:
+                (commit,) = events
+                _insert_version(conn, self.incarnation_id, commit, rows)
+            else:
+                _insert_events(conn, self.incarnation_id, list(events))
+
+    def commit(self, engine_id: Any, rows: Any) -> tuple[int, str]:
+        with self._lock:
+            result = super().commit(engine_id, rows)
+            self._maybe_prune(result[0])
+            return result
+
+    def _maybe_prune(self, version: int) -> None:
+        retention = self.ledger.retention
+        if version % retention.prune_every:
+            return
+        try:
+            self.ledger.prune(retention.keep_versions, self.incarnation_id)
+            self.ledger.checkpoint()
+        except LedgerError as exc:
+            # The commit is durable; retention only bounds the file. Never fail the commit.
+            logger.warning(
+                "expert layout ledger %s: automatic prune failed: %s",
+                self.ledger.path,
+                exc,
+            )

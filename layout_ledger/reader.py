@@ -1,0 +1,258 @@
+"""Deriving a record's state from the ledger's rows, and read-only access for engines and the CLI.
+
+Everything here reads; nothing writes. ``read_state`` rebuilds what a restarted process needs
+(version, digest, map, pending move, dirty mark, attachments, non-following flag) from the rows
+alone, with indexed lookups: O(layers) for the map, whatever the history's length.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import DBAPIError
+
+from layout_ledger import events as ev
+from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
+from layout_ledger.layout import Geometry, Map
+from layout_ledger.state import DirtyMark, LayoutState, PendingMove
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    incarnation_id: int
+    started_at: str
+    ended_at: str | None
+    end_state: str | None
+    geometry: Geometry
+    initial_digest: str
+    config_fingerprint: str
+    daemon_label: str
+
+
+def _incarnation_from_row(row: Any) -> Incarnation:
+    return Incarnation(
+        incarnation_id=row.incarnation_id,
+        started_at=row.started_at,
+        ended_at=row.ended_at,
+        end_state=row.end_state,
+        geometry=Geometry(row.num_layers, row.num_physical_slots, row.num_logical_experts),
+        initial_digest=row.initial_digest,
+        config_fingerprint=row.config_fingerprint,
+        daemon_label=row.daemon_label,
+    )
+
+
+_INCARNATION_COLUMNS = (
+    "incarnation_id, started_at, ended_at, end_state, num_layers, num_physical_slots, "
+    "num_logical_experts, initial_digest, config_fingerprint, daemon_label"
+)
+
+
+def incarnations(conn: Connection) -> list[Incarnation]:
+    rows = conn.execute(
+        text(f"SELECT {_INCARNATION_COLUMNS} FROM incarnations ORDER BY incarnation_id")
+    )
+    return [_incarnation_from_row(row) for row in rows]
+
+
+def incarnation(conn: Connection, incarnation_id: int | None = None) -> Incarnation:
+    """One incarnation; the latest when ``incarnation_id`` is None."""
+    if incarnation_id is None:
+        row = conn.execute(
+            text(
+                f"SELECT {_INCARNATION_COLUMNS} FROM incarnations "
+                f"ORDER BY incarnation_id DESC LIMIT 1"
+            )
+        ).first()
+        if row is None:
+            raise LedgerError("the ledger holds no incarnation yet (no daemon has started on it)")
+    else:
+        row = conn.execute(
+            text(f"SELECT {_INCARNATION_COLUMNS} FROM incarnations WHERE incarnation_id = :i"),
+            {"i": incarnation_id},
+        ).first()
+        if row is None:
+            raise LedgerError(f"the ledger has no incarnation {incarnation_id}")
+    return _incarnation_from_row(row)
+
+
+def current_version(conn: Connection, incarnation_id: int) -> tuple[int, str]:
+    row = conn.execute(
+        text(
+            "SELECT version, digest FROM versions WHERE incarnation_id = :i "
+            "ORDER BY version DESC LIMIT 1"
+        ),
+        {"i": incarnation_id},
+    ).one()
+    return int(row.version), str(row.digest)
+
+
+def reconstructible_from(conn: Connection, incarnation_id: int) -> int:
+    """The oldest version whose whole map the rows still hold (raised by ``prune``)."""
+    value = conn.execute(
+        text("SELECT max(base_version) FROM events WHERE incarnation_id = :i AND kind = :k"),
+        {"i": incarnation_id, "k": ev.PRUNE},
+    ).scalar()
+    return int(value or 0)
+
+
+_ROW_AT = text(
+    "SELECT slots FROM layout_rows WHERE incarnation_id = :i AND layer = :l AND version <= :v "
+    "ORDER BY version DESC LIMIT 1"
+)
+
+
+def row_jsons_at(conn: Connection, inc: Incarnation, version: int) -> list[str]:
+    """Each layer's row JSON at ``version``: one index seek per layer."""
+    jsons = []
+    for layer in range(inc.geometry.num_layers):
+        slots = conn.execute(_ROW_AT, {"i": inc.incarnation_id, "l": layer, "v": version}).scalar()
+        if slots is None:
+            raise LedgerStorageError(
+                f"incarnation {inc.incarnation_id} has no row for layer {layer} at or before "
+                f"version {version}; run `layout-ledger verify`"
+            )
+        jsons.append(str(slots))
+    return jsons
+
+
+def map_at(conn: Connection, inc: Incarnation, version: int | None = None) -> Map:
+    """The whole map at ``version`` (the current one when None)."""
+    current, _ = current_version(conn, inc.incarnation_id)
+    if version is None:
+        version = current
+    oldest = reconstructible_from(conn, inc.incarnation_id)
+    if not oldest <= version <= current:
+        raise LedgerError(
+            f"incarnation {inc.incarnation_id} holds versions {oldest}..{current}; "
+            f"version {version} is not among them"
+            + (" (older versions were pruned)" if version < oldest else "")
+        )
+    return [json.loads(slots) for slots in row_jsons_at(conn, inc, version)]
+
+
+def _last_event(conn: Connection, incarnation_id: int, kinds: tuple[str, ...]) -> Any:
+    marks = ", ".join(f":k{n}" for n in range(len(kinds)))
+    params: dict[str, Any] = {"i": incarnation_id}
+    params.update({f"k{n}": kind for n, kind in enumerate(kinds)})
+    return conn.execute(
+        text(
+            f"SELECT * FROM events WHERE incarnation_id = :i AND kind IN ({marks}) "
+            f"ORDER BY event_id DESC LIMIT 1"
+        ),
+        params,
+    ).first()
+
+
+def _move_of(event: Any) -> PendingMove:
+    return PendingMove(
+        engine_id=event.engine_id,
+        layers=tuple(json.loads(event.layers)),
+        base_version=int(event.base_version),
+        since=event.at,
+    )
+
+
+def pending_move(conn: Connection, incarnation_id: int) -> PendingMove | None:
+    """The last begin with no commit, abort or dirty mark after it."""
+    begin = _last_event(conn, incarnation_id, (ev.BEGIN,))
+    if begin is None:
+        return None
+    ended = _last_event(conn, incarnation_id, ev.MOVE_ENDING_KINDS)
+    if ended is not None and ended.event_id > begin.event_id:
+        return None
+    return _move_of(begin)
+
+
+def dirty_mark(conn: Connection, incarnation_id: int) -> DirtyMark | None:
+    event = _last_event(conn, incarnation_id, (ev.DIRTY,))
+    return None if event is None else DirtyMark(move=_move_of(event), at=event.at)
+
+
+def non_following_fetch(conn: Connection, incarnation_id: int) -> bool:
+    return _last_event(conn, incarnation_id, (ev.NON_FOLLOWING_FETCH,)) is not None
+
+
+def attached_engines(conn: Connection, inc: Incarnation) -> tuple[str, ...]:
+    """Engines whose last attach has no detach after it, in attach order; none once ended."""
+    if inc.ended_at is not None:
+        return ()
+    rows = conn.execute(
+        text(
+            "SELECT engine_id, max(CASE WHEN kind = :a THEN event_id END) AS attached, "
+            "max(CASE WHEN kind = :d THEN event_id END) AS detached "
+            "FROM events WHERE incarnation_id = :i AND kind IN (:a, :d) GROUP BY engine_id"
+        ),
+        {"i": inc.incarnation_id, "a": ev.ATTACH, "d": ev.DETACH},
+    )
+    live = [
+        (row.attached, row.engine_id)
+        for row in rows
+        if row.attached is not None and (row.detached is None or row.detached < row.attached)
+    ]
+    return tuple(engine_id for _, engine_id in sorted(live))
+
+
+def read_state(conn: Connection, incarnation_id: int | None = None) -> LayoutState:
+    """The whole state of an incarnation (the latest when None), from the rows alone."""
+    inc = incarnation(conn, incarnation_id)
+    version, digest = current_version(conn, inc.incarnation_id)
+    return LayoutState(
+        incarnation_id=inc.incarnation_id,
+        geometry=inc.geometry,
+        version=version,
+        digest=digest,
+        physical_to_logical_map=map_at(conn, inc, version),
+        pending=pending_move(conn, inc.incarnation_id),
+        dirty=dirty_mark(conn, inc.incarnation_id),
+        attached=attached_engines(conn, inc),
+        non_following_fetch=non_following_fetch(conn, inc.incarnation_id),
+    )
+
+
+class LedgerReader:
+    """A read-only handle on a ledger file; safe while a daemon writes it."""
+
+    def __init__(self, path: str | Path) -> None:
+        from layout_ledger.migrate import check_readable
+        from layout_ledger.storage import open_reader_engine
+
+        self.path = Path(path)
+        self._engine: Engine = open_reader_engine(self.path)
+        try:
+            with self.connect() as conn:
+                check_readable(conn, self.path)
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    @contextmanager
+    def connect(self) -> Iterator[Connection]:
+        """One read transaction: every query inside sees the same snapshot."""
+        try:
+            with self._engine.connect() as conn, conn.begin():
+                yield conn
+        except DBAPIError as exc:
+            message = str(exc.orig)
+            if "not a database" in message or "file is encrypted" in message:
+                raise LedgerFileError(f"{self.path} is not an SQLite database") from exc
+            raise LedgerStorageError(f"reading ledger {self.path} failed: {message}") from exc
+
+    def state(self, incarnation_id: int | None = None) -> LayoutState:
+        with self.connect() as conn:
+            return read_state(conn, incarnation_id)
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def __enter__(self) -> LedgerReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

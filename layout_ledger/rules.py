@@ -1,0 +1,195 @@
+"""The protocol's rules, one function per request, each raising the refusal it names.
+
+Every function is pure: it reads a state view and the request's fields and either returns the
+validated input or raises. ``LayoutRecord`` calls them under its lock before it writes anything,
+so a refused request can never change the record.
+
+Order inside ``check_begin`` follows PROTOCOL.md: "A begin that would be refused is refused, never
+busy", so every permanent refusal is checked before the two busy conditions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from layout_ledger import errors
+from layout_ledger.layout import Geometry, is_int, validate_layers, validate_rows
+from layout_ledger.state import DirtyMark, PendingMove
+
+MAX_ENGINE_ID = 256
+
+
+class StateView(Protocol):
+    @property
+    def geometry(self) -> Geometry: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def digest(self) -> str: ...
+    @property
+    def pending(self) -> PendingMove | None: ...
+    @property
+    def dirty(self) -> DirtyMark | None: ...
+    @property
+    def attached(self) -> Collection[str]: ...
+    @property
+    def non_following_fetch(self) -> bool: ...
+
+
+def check_engine_id(engine_id: Any) -> str:
+    if not isinstance(engine_id, str) or not engine_id:
+        raise errors.InvalidRequest(
+            f"engine_id must be a non-empty string, got {type(engine_id).__name__}"
+        )
+    if len(engine_id) > MAX_ENGINE_ID:
+        raise errors.InvalidRequest(
+            f"engine_id is {len(engine_id)} characters; at most {MAX_ENGINE_ID} are allowed"
+        )
+    return engine_id
+
+
+def check_attach(state: StateView, engine_id: Any) -> str:
+    engine_id = check_engine_id(engine_id)
+    if engine_id in state.attached:
+        raise errors.EngineAlreadyAttached(
+            f"engine {engine_id!r} is already attached to this daemon; every engine start needs "
+            f"a new engine_id (is an older instance of this engine still exiting?)"
+        )
+    return engine_id
+
+
+def check_begin(
+    state: StateView, engine_id: Any, base_version: Any, layers: Any
+) -> tuple[int, ...]:
+    """Return the validated, sorted layers, or raise ``RequestRefused`` / ``MoveBusy``."""
+    engine_id = check_engine_id(engine_id)
+    if state.dirty is not None:
+        raise errors.LayoutDirty(f"this daemon's expert layout is unknown: {state.dirty.reason}")
+    if engine_id not in state.attached:
+        raise errors.EngineNotAttached(
+            f"engine {engine_id!r} is not attached; send expert_layout_attach on a connection "
+            f"kept open for the engine's lifetime before moving experts"
+        )
+    pending = state.pending
+    if pending is not None and pending.engine_id == engine_id:
+        raise errors.MoveAlreadyPending(
+            f"engine {engine_id!r} already has a move of layers {list(pending.layers)} pending; "
+            f"commit or abort it first"
+        )
+    if not is_int(base_version):
+        raise errors.InvalidRequest(
+            f"base_version must be an int, got {type(base_version).__name__}"
+        )
+    if base_version != state.version:
+        raise errors.StaleBaseVersion(
+            f"base_version {base_version} is not the current version {state.version}; the "
+            f"engine's layout is out of date, restart it so it starts from the daemon's layout"
+        )
+    valid_layers = validate_layers(layers, state.geometry)
+    if state.non_following_fetch:
+        raise errors.MovesDisabled(
+            "an engine that does not follow the expert layout (no live attachment, or an older "
+            "engine without the expert_layout field) has fetched these weights, and the daemon "
+            "cannot tell when it exits; no engine may move experts until the daemon restarts"
+        )
+    others = [other for other in state.attached if other != engine_id]
+    if others:
+        raise errors.MoveBusy(
+            f"other engines are attached to this daemon ({', '.join(sorted(others))}); only an "
+            f"engine alone on its daemon may move experts, try again later"
+        )
+    if pending is not None:
+        raise errors.MoveBusy(
+            f"engine {pending.engine_id!r} has a move of layers {list(pending.layers)} pending; "
+            f"try again later"
+        )
+    return valid_layers
+
+
+def _own_pending(state: StateView, engine_id: str, verb: str) -> PendingMove:
+    pending = state.pending
+    if pending is None or pending.engine_id != engine_id:
+        owner = "" if pending is None else f" (the pending move is engine {pending.engine_id!r}'s)"
+        raise errors.NoPendingMove(
+            f"engine {engine_id!r} has no move pending{owner}; send expert_layout_begin before "
+            f"expert_layout_{verb}"
+        )
+    return pending
+
+
+def check_commit(
+    state: StateView, engine_id: Any, rows: Any
+) -> tuple[PendingMove, dict[int, list[int]]]:
+    engine_id = check_engine_id(engine_id)
+    if state.dirty is not None:
+        raise errors.LayoutDirty(f"this daemon's expert layout is unknown: {state.dirty.reason}")
+    pending = _own_pending(state, engine_id, "commit")
+    return pending, validate_rows(rows, pending.layers, state.geometry)
+
+
+def check_abort(state: StateView, engine_id: Any) -> PendingMove:
+    return _own_pending(state, check_engine_id(engine_id), "abort")
+
+
+@dataclass(frozen=True)
+class FetchVerdict:
+    """A fetch the daemon serves; ``following`` is False for a non-following fetch."""
+
+    following: bool
+    engine_id: str | None
+    reason: str
+
+
+def check_fetch(state: StateView, field: Any) -> FetchVerdict:
+    """The ``fetch_state`` layout check: serve (following or not) or raise ``RequestRefused``."""
+    if state.dirty is not None:
+        raise errors.LayoutDirty(
+            f"this daemon's expert layout is unknown, so its weights cannot be served: "
+            f"{state.dirty.reason}"
+        )
+    if state.pending is not None:
+        pending = state.pending
+        raise errors.LayoutMismatch(
+            f"engine {pending.engine_id!r} is moving layers {list(pending.layers)} from version "
+            f"{pending.base_version}; the weights are in flux, retry after it commits or aborts"
+        )
+    if field is None:
+        if state.version == 0:
+            return FetchVerdict(
+                following=False,
+                engine_id=None,
+                reason="fetch without the expert_layout field (an engine without the expert "
+                "layout plugin) while no expert has moved",
+            )
+        raise errors.LayoutMismatch(
+            f"this daemon's experts have moved (layout version {state.version}) and the engine "
+            f"did not send the expert_layout field, so it would route with the initial layout; "
+            f"upgrade the engine (install the expert layout plugin) or restart the daemon"
+        )
+    if not isinstance(field, dict):
+        raise errors.InvalidRequest(
+            f"expert_layout must be a dict with engine_id, version and digest, got "
+            f"{type(field).__name__}"
+        )
+    engine_id = field.get("engine_id")
+    if engine_id is not None:
+        engine_id = check_engine_id(engine_id)
+    digest = field.get("digest")
+    version = field.get("version")
+    if not isinstance(digest, str):
+        raise errors.InvalidRequest("expert_layout.digest must be the map's SHA-256 hex string")
+    if digest != state.digest:
+        raise errors.LayoutMismatch(
+            f"the engine routes with layout version {version!r} (digest {digest[:12]}...) but "
+            f"this daemon holds version {state.version} (digest {state.digest[:12]}...); restart "
+            f"the engine so it starts from the daemon's layout"
+        )
+    if engine_id is not None and engine_id in state.attached:
+        return FetchVerdict(following=True, engine_id=engine_id, reason="")
+    return FetchVerdict(
+        following=False,
+        engine_id=engine_id,
+        reason="fetch with a matching layout from an engine with no live attachment",
+    )

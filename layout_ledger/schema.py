@@ -1,0 +1,124 @@
+"""The ledger's tables (SQLAlchemy Core) and the schema version this code writes.
+
+The tables are append-only except ``incarnations.ended_at/end_state`` and pruning: the state a
+restarted process needs (pending move, dirty mark, non-following flag, current version and
+digest) is derived from ``events`` and ``versions`` (see ``layout_ledger.reader``), so a crash
+between any two statements can never leave a cached flag out of step with the history.
+
+Forensic views (``ledger_*``) are created by the migrations; they are the stable interface for
+``sqlite3`` users, while these tables may change between schema revisions.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    CheckConstraint,
+    Column,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+# The Alembic revision of the newest schema this code reads and writes (migrations/versions/).
+# Mixed versions: a writer upgrades an older file to this revision when it opens it; a file at
+# a revision not in KNOWN_REVISIONS was written by newer code and is refused by every opener,
+# read-only ones included, because its tables may no longer mean what this code assumes.
+SCHEMA_HEAD = "0002_forensic_views"
+KNOWN_REVISIONS = ("0001_initial", "0002_forensic_views")
+
+END_STATES = ("clean", "dirty", "unknown")
+
+metadata = MetaData()
+
+incarnations = Table(
+    "incarnations",
+    metadata,
+    Column("incarnation_id", Integer, primary_key=True, autoincrement=True),
+    Column("started_at", Text, nullable=False),
+    Column("ended_at", Text),
+    Column("end_state", Text),
+    Column("config_fingerprint", Text, nullable=False),
+    Column("daemon_label", Text, nullable=False),
+    Column("num_layers", Integer, nullable=False),
+    Column("num_physical_slots", Integer, nullable=False),
+    Column("num_logical_experts", Integer, nullable=False),
+    Column("initial_map", Text, nullable=False),
+    Column("initial_digest", Text, nullable=False),
+    CheckConstraint(
+        "end_state IS NULL OR end_state IN ('clean', 'dirty', 'unknown')",
+        name="ck_incarnations_end_state",
+    ),
+    sqlite_autoincrement=True,
+)
+
+versions = Table(
+    "versions",
+    metadata,
+    Column(
+        "incarnation_id",
+        Integer,
+        ForeignKey("incarnations.incarnation_id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("version", Integer, primary_key=True, autoincrement=False),
+    Column("digest", Text, nullable=False),
+    Column("committed_at", Text, nullable=False),
+    Column("engine_id", Text),
+    # JSON array of the layers whose rows this version wrote (every layer for version 0).
+    Column("layers", Text, nullable=False),
+    sqlite_with_rowid=False,
+)
+
+# A rowid table (rows are ~1 KiB, too large to be B-tree keys cheaply), looked up through the
+# unique (incarnation_id, layer, version) index: the newest row of a layer at or before a
+# version is one index seek.
+layout_rows = Table(
+    "layout_rows",
+    metadata,
+    Column("row_id", Integer, primary_key=True, autoincrement=True),
+    Column("incarnation_id", Integer, nullable=False),
+    Column("layer", Integer, nullable=False),
+    Column("version", Integer, nullable=False),
+    # Compact JSON array of ints: the logical expert in each physical slot of this layer.
+    Column("slots", Text, nullable=False),
+    ForeignKeyConstraint(
+        ["incarnation_id", "version"],
+        ["versions.incarnation_id", "versions.version"],
+        ondelete="CASCADE",
+        name="fk_layout_rows_version",
+    ),
+    UniqueConstraint("incarnation_id", "layer", "version", name="uq_layout_rows_layer_version"),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("event_id", Integer, primary_key=True, autoincrement=True),
+    Column(
+        "incarnation_id",
+        Integer,
+        ForeignKey("incarnations.incarnation_id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("at", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("engine_id", Text),
+    Column("layers", Text),
+    Column("base_version", Integer),
+    Column("new_version", Integer),
+    Column("digest_after", Text),
+    Column("reason", Text),
+    sqlite_autoincrement=True,
+)
+Index(
+    "ix_events_incarnation_kind",
+    events.c.incarnation_id,
+    events.c.kind,
+    events.c.event_id,
+)
+Index("ix_events_engine", events.c.engine_id)
