@@ -42,6 +42,9 @@ from sglang_integration.weight_source import WeightSource
 
 logger = logging.getLogger(__name__)
 
+# Register with HookType.AROUND and ``rebalance_around``.
+HOOK_TARGET = "sglang.srt.eplb.eplb_manager.EPLBManager.rebalance"
+
 # Where a rank's weights came from (what the loader recorded), as all-gathered strings.
 WEIGHTS_FROM_DISK = WeightSource.DISK.value
 WEIGHTS_FROM_DAEMON = WeightSource.DAEMON.value
