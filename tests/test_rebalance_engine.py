@@ -44,8 +44,21 @@ class _NoDiskReload:
         raise RuntimeError("no expert may be missing after a move between live ranks")
 
 
-def build_rebalancing_engine(rank: int, port: int, model_dir: str, expert_dir: str, **args: Any):  # type: ignore[no-untyped-def]
-    """In an engine rank process: publish, join the world group, hook, and build EPLBManager."""
+def build_rebalancing_engine(
+    rank: int,
+    port: int,
+    model_dir: str,
+    expert_dir: str,
+    *,
+    daemon_socket: str | None = None,
+    **args: Any,
+):  # type: ignore[no-untyped-def]
+    """In an engine rank process: publish, join the world group, hook, and build EPLBManager.
+
+    With ``daemon_socket``, the rank first runs the startup hook's body on that daemon (attach,
+    agree over the world group, adopt its layout), as ``ModelRunner`` does before ``load_model``,
+    and records that its weights came from the daemon.
+    """
     model_config = start_cpu_engine_rank(
         rank,
         world_size=EP_SIZE,
@@ -57,15 +70,28 @@ def build_rebalancing_engine(rank: int, port: int, model_dir: str, expert_dir: s
     )
     from sglang.srt.eplb.eplb_manager import EPLBManager
     from sglang.srt.eplb.expert_distribution import set_global_expert_distribution_recorder
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
     from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sglang_integration.engine_startup import start_from_daemon_layout
     from sglang_integration.rebalance import HOOK_TARGET, rebalance_around
     from sglang_integration.testing.shared_experts import SharedExpertsModel, attach_shared_experts
     from sglang_integration.testing.synthetic_load import SyntheticLoadRecorder
+    from sglang_integration.weight_source import WeightSource, record_weight_source
 
     HookRegistry.register(HOOK_TARGET, rebalance_around, HookType.AROUND)
     HookRegistry.apply_hooks()
+    if daemon_socket is not None:
+        start_from_daemon_layout(
+            model_config=model_config,
+            metadata=get_global_expert_location_metadata(),
+            moe_ep_rank=rank,
+            socket_path=daemon_socket,
+        )
+        # What the IPC loader hook records after the daemon served fetch_state; the fetch
+        # itself maps CUDA IPC handles, so here the experts are mapped from shared memory.
+        record_weight_source(WeightSource.DAEMON)
     set_global_expert_distribution_recorder(SyntheticLoadRecorder(NUM_LAYERS, NUM_LOGICAL, seed=11))
     model = SharedExpertsModel(attach_shared_experts(expert_dir, rank))
     updater = ExpertLocationUpdater()
