@@ -20,9 +20,7 @@ from sglang_integration.testing.shared_experts import (
     remove_shared_experts,
 )
 
-SHAPE = ExpertTensorShape(
-    num_layers=8, num_logical_experts=8, num_physical_slots=12, ep_size=2
-)
+SHAPE = ExpertTensorShape(num_layers=8, num_logical_experts=8, num_physical_slots=12, ep_size=2)
 
 
 def _rotated_map(shape: ExpertTensorShape, by: int) -> list[list[int]]:
@@ -46,28 +44,18 @@ def test_each_slot_reads_back_the_expert_the_creating_map_put_there(
     layout = _rotated_map(SHAPE, by=3)
     for rank in range(SHAPE.ep_size):
         experts = create_shared_experts(expert_dir, rank, SHAPE, layout)
-        assert (
-            experts.count_matching_slots(layout)
-            == SHAPE.num_layers * SHAPE.num_local_slots
-        )
+        assert experts.count_matching_slots(layout) == SHAPE.num_layers * SHAPE.num_local_slots
         assert experts.slot_logical_ids()[5] == layout[5][rank * 6 : rank * 6 + 6]
     assert read_physical_to_logical_map(expert_dir) == layout
-    trivial = trivial_map(
-        SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts
-    )
+    trivial = trivial_map(SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts)
     held = read_physical_to_logical_map(expert_dir)
-    assert (
-        count_matching_slots(held, trivial)
-        < SHAPE.num_layers * SHAPE.num_physical_slots
-    )
+    assert count_matching_slots(held, trivial) < SHAPE.num_layers * SHAPE.num_physical_slots
 
 
 def test_a_slot_holding_parts_of_two_experts_reads_as_no_expert(
     expert_dir: Path,
 ) -> None:
-    layout = trivial_map(
-        SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts
-    )
+    layout = trivial_map(SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts)
     experts = create_shared_experts(expert_dir, 0, SHAPE, layout)
     # Move only the second tensor (w2) of layer 2 slot 1 from slot 4: a half-moved expert.
     experts.tensors[1][2, 1] = experts.tensors[1][2, 4]
@@ -97,16 +85,12 @@ def _move_in_child(directory: str, rank: int, ready, go, done) -> None:  # type:
 def test_an_in_place_move_by_another_process_is_seen_through_an_existing_mapping(
     expert_dir: Path,
 ) -> None:
-    layout = trivial_map(
-        SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts
-    )
+    layout = trivial_map(SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts)
     mine = create_shared_experts(expert_dir, 1, SHAPE, layout)
     before = mine.slot_logical_ids()[7]
     context = multiprocessing.get_context("spawn")
     ready, go, done = context.Event(), context.Event(), context.Event()
-    child = context.Process(
-        target=_move_in_child, args=(str(expert_dir), 1, ready, go, done)
-    )
+    child = context.Process(target=_move_in_child, args=(str(expert_dir), 1, ready, go, done))
     child.start()
     try:
         assert ready.wait(60)
@@ -122,28 +106,19 @@ def test_an_in_place_move_by_another_process_is_seen_through_an_existing_mapping
 def test_recreating_a_rank_gives_new_memory_and_old_mappings_keep_their_bytes(
     expert_dir: Path,
 ) -> None:
-    old_layout = trivial_map(
-        SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts
-    )
+    old_layout = trivial_map(SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts)
     old = create_shared_experts(expert_dir, 0, SHAPE, old_layout)
     new_layout = _rotated_map(SHAPE, by=1)
     create_shared_experts(expert_dir, 0, SHAPE, new_layout)
-    assert (
-        old.count_matching_slots(old_layout) == SHAPE.num_layers * SHAPE.num_local_slots
-    )
+    assert old.count_matching_slots(old_layout) == SHAPE.num_layers * SHAPE.num_local_slots
     fresh = attach_shared_experts(expert_dir, 0)
-    assert (
-        fresh.count_matching_slots(new_layout)
-        == SHAPE.num_layers * SHAPE.num_local_slots
-    )
+    assert fresh.count_matching_slots(new_layout) == SHAPE.num_layers * SHAPE.num_local_slots
 
 
 def test_attach_refuses_missing_or_short_files(expert_dir: Path) -> None:
     with pytest.raises(SharedExpertsError, match="create the shared experts first"):
         attach_shared_experts(expert_dir, 0)
-    layout = trivial_map(
-        SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts
-    )
+    layout = trivial_map(SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts)
     create_shared_experts(expert_dir, 0, SHAPE, layout)
     data = expert_dir / "rank0.experts"
     os.truncate(data, data.stat().st_size - 4)
@@ -153,9 +128,7 @@ def test_attach_refuses_missing_or_short_files(expert_dir: Path) -> None:
 
 
 def test_a_map_of_the_wrong_shape_is_refused(expert_dir: Path) -> None:
-    short = trivial_map(
-        SHAPE.num_layers, SHAPE.num_physical_slots - 2, SHAPE.num_logical_experts
-    )
+    short = trivial_map(SHAPE.num_layers, SHAPE.num_physical_slots - 2, SHAPE.num_logical_experts)
     with pytest.raises(SharedExpertsError, match="8 x 12"):
         create_shared_experts(expert_dir, 0, SHAPE, short)
 
@@ -163,9 +136,7 @@ def test_a_map_of_the_wrong_shape_is_refused(expert_dir: Path) -> None:
 def test_the_slot_views_the_updater_gets_write_through_to_shared_memory(
     expert_dir: Path,
 ) -> None:
-    layout = trivial_map(
-        SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts
-    )
+    layout = trivial_map(SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts)
     experts = create_shared_experts(expert_dir, 0, SHAPE, layout)
     weights = experts.routed_experts_weights_of_layer()
     assert sorted(weights) == list(range(SHAPE.num_layers))
@@ -176,9 +147,7 @@ def test_the_slot_views_the_updater_gets_write_through_to_shared_memory(
 
 
 def test_remove_deletes_every_rank_file(expert_dir: Path) -> None:
-    layout = trivial_map(
-        SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts
-    )
+    layout = trivial_map(SHAPE.num_layers, SHAPE.num_physical_slots, SHAPE.num_logical_experts)
     for rank in range(SHAPE.ep_size):
         create_shared_experts(expert_dir, rank, SHAPE, layout)
     remove_shared_experts(expert_dir, SHAPE.ep_size)

@@ -71,23 +71,17 @@ class ExpertTensorShape:
                 f"{self.num_physical_slots} physical slots do not divide by ep_size {self.ep_size}"
             )
         if not self.widths or min(self.widths) < 1:
-            raise SharedExpertsError(
-                f"widths must be non-empty and positive: {self.widths}"
-            )
+            raise SharedExpertsError(f"widths must be non-empty and positive: {self.widths}")
 
     @property
     def num_local_slots(self) -> int:
         return self.num_physical_slots // self.ep_size
 
     def numel_of_rank(self) -> int:
-        return sum(
-            self.num_layers * self.num_local_slots * width for width in self.widths
-        )
+        return sum(self.num_layers * self.num_local_slots * width for width in self.widths)
 
 
-def expert_values(
-    layer: int, logical_id: int, tensor_index: int, width: int
-) -> torch.Tensor:
+def expert_values(layer: int, logical_id: int, tensor_index: int, width: int) -> torch.Tensor:
     """The bytes of logical expert ``logical_id`` of ``layer`` in tensor ``tensor_index``."""
     positions = torch.arange(1, width, dtype=torch.int64)
     pattern = (layer * 1009 + logical_id * 131 + tensor_index * 17 + positions * 7) % (
@@ -124,9 +118,7 @@ class SharedExperts:
                 f"{path} is missing or not {expected_bytes} bytes; create it with "
                 "create_shared_experts first"
             )
-        flat = torch.from_file(
-            str(path), shared=True, size=shape.numel_of_rank(), dtype=_DTYPE
-        )
+        flat = torch.from_file(str(path), shared=True, size=shape.numel_of_rank(), dtype=_DTYPE)
         self._flat = flat
         self.tensors: list[torch.Tensor] = []
         offset = 0
@@ -155,9 +147,7 @@ class SharedExperts:
                 for index, (tensor, width) in enumerate(
                     zip(self.tensors, self.shape.widths, strict=True)
                 ):
-                    tensor[layer, local_slot] = expert_values(
-                        layer, logical_id, index, width
-                    )
+                    tensor[layer, local_slot] = expert_values(layer, logical_id, index, width)
 
     def slot_logical_ids(self) -> list[list[int]]:
         """Per (layer, local slot), the logical id the bytes hold, or ``HOLDS_NO_EXPERT``."""
@@ -174,9 +164,7 @@ class SharedExperts:
         logical_id = int(first)
         if logical_id != first or not 0 <= logical_id < self.shape.num_logical_experts:
             return HOLDS_NO_EXPERT
-        for index, (tensor, width) in enumerate(
-            zip(self.tensors, self.shape.widths, strict=True)
-        ):
+        for index, (tensor, width) in enumerate(zip(self.tensors, self.shape.widths, strict=True)):
             if not torch.equal(
                 tensor[layer, local_slot],
                 expert_values(layer, logical_id, index, width),
@@ -184,9 +172,7 @@ class SharedExperts:
                 return HOLDS_NO_EXPERT
         return logical_id
 
-    def count_matching_slots(
-        self, physical_to_logical_map: Sequence[Sequence[int]]
-    ) -> int:
+    def count_matching_slots(self, physical_to_logical_map: Sequence[Sequence[int]]) -> int:
         """How many of this rank's slots hold the expert ``physical_to_logical_map`` names there."""
         _check_map_shape(physical_to_logical_map, self.shape)
         first = self.rank * self.shape.num_local_slots
@@ -205,8 +191,7 @@ def _check_map_shape(
         len(row) != shape.num_physical_slots for row in physical_to_logical_map
     ):
         raise SharedExpertsError(
-            f"map is not {shape.num_layers} x {shape.num_physical_slots} "
-            f"(got {rows} rows)"
+            f"map is not {shape.num_layers} x {shape.num_physical_slots} (got {rows} rows)"
         )
 
 
@@ -251,9 +236,7 @@ def create_shared_experts(
     os.replace(temp_data, data_path)
     experts = SharedExperts(directory, rank, shape)
     experts.fill(physical_to_logical_map)
-    meta = dict(
-        asdict(shape), widths=list(shape.widths), format_version=_SHAPE_FORMAT_VERSION
-    )
+    meta = dict(asdict(shape), widths=list(shape.widths), format_version=_SHAPE_FORMAT_VERSION)
     temp_meta = meta_path.with_name(meta_path.name + f".tmp{os.getpid()}")
     temp_meta.write_text(json.dumps(meta, sort_keys=True))
     os.replace(temp_meta, meta_path)
@@ -284,9 +267,7 @@ def read_shape(directory: str | os.PathLike[str], rank: int = 0) -> ExpertTensor
     )
 
 
-def attach_shared_experts(
-    directory: str | os.PathLike[str], rank: int
-) -> SharedExperts:
+def attach_shared_experts(directory: str | os.PathLike[str], rank: int) -> SharedExperts:
     """Map rank ``rank``'s existing files read-write (another process's view of the same bytes)."""
     return SharedExperts(Path(directory), rank, read_shape(directory, rank))
 
@@ -295,8 +276,7 @@ def read_physical_to_logical_map(directory: str | os.PathLike[str]) -> list[list
     """The whole map the bytes hold (every rank's slots side by side), read from shared memory."""
     shape = read_shape(directory)
     per_rank = [
-        attach_shared_experts(directory, rank).slot_logical_ids()
-        for rank in range(shape.ep_size)
+        attach_shared_experts(directory, rank).slot_logical_ids() for rank in range(shape.ep_size)
     ]
     return [
         [logical_id for rank_rows in per_rank for logical_id in rank_rows[layer]]

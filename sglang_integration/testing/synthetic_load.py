@@ -44,9 +44,7 @@ def skewed_logical_count(
         order = list(range(num_logical_experts))
         random.Random(f"{seed}:{step}:{layer}").shuffle(order)
         for popularity, expert in enumerate(order):
-            counts[0, layer, expert] = (
-                int(tokens_per_layer * weights[popularity] / total) + 1
-            )
+            counts[0, layer, expert] = int(tokens_per_layer * weights[popularity] / total) + 1
     return counts
 
 
