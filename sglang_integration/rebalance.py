@@ -260,7 +260,8 @@ class RebalanceState:
     mode: Mode | None = None
     version: int | None = None
     stopped_reason: str | None = None
-    rebalances_done: int = 0
+    rebalances_done: int = 0  # rebalances whose every chunk was committed
+    rebalances_paused: int = 0  # rebalances stopped because a daemon was busy
     chunks_committed: int = 0
 
 
@@ -367,7 +368,8 @@ def _decide_mode_once(state: RebalanceState) -> None:
     decision = decide_mode(statuses, elastic_ep=_elastic_ep_enabled())
     state.mode = decision.mode
     state.version = decision.version
-    for reason in decision.reasons:
+    # The reasons name every rank they apply to, so the engine's first rank says them once.
+    for reason in decision.reasons if _is_first_rank() else ():
         logger.warning(
             "EPLB rebalancing of the daemon-shared expert weights stays off, and the engine "
             "keeps its current expert layout: %s",
@@ -438,14 +440,16 @@ def _move_chunk(manager: Any, state: RebalanceState, new_metadata: Any, chunk: l
     decision = decide_begin(_all_gather(my_begin))
     if decision.action is not BeginAction.MOVE:
         _abort_own_begin(client, my_begin, chunk)
+        if decision.action is BeginAction.DISABLE:
+            state.stopped_reason = decision.reason
         if decision.action is BeginAction.SKIP:
+            state.rebalances_paused += 1
             logger.info(
                 "EPLB rebalance paused, another engine uses the daemons (%s); "
                 "the next interval tries again",
                 decision.reason,
             )
-        else:
-            state.stopped_reason = decision.reason
+        elif _is_first_rank():
             logger.warning(
                 "EPLB rebalancing of the daemon-shared expert weights is off for good: a daemon "
                 "refused the move (%s)",
@@ -532,6 +536,12 @@ def _all_gather(value: Any) -> list[Any]:
 
     gathered: list[Any] = get_parallel().world_group.all_gather_object(value)
     return gathered
+
+
+def _is_first_rank() -> bool:
+    from sglang.srt.runtime_context import get_parallel
+
+    return bool(get_parallel().world_group.rank_in_group == 0)
 
 
 def _device_synchronize() -> None:
