@@ -152,7 +152,7 @@ class Ledger:
         at = utc_now()
         with self.transaction("starting an incarnation in") as conn:
             self._end_unended(conn, at)
-            incarnation_id = conn.execute(
+            inserted = conn.execute(
                 schema.incarnations.insert().values(
                     started_at=at,
                     config_fingerprint=config_fingerprint,
@@ -163,7 +163,8 @@ class Ledger:
                     initial_map=json.dumps(initial_map, separators=(",", ":")),
                     initial_digest=digest,
                 )
-            ).inserted_primary_key[0]
+            )
+            incarnation_id = int(inserted.inserted_primary_key[0])  # type: ignore[index]
             all_layers = tuple(range(geometry.num_layers))
             record = LedgerRecord(self, int(incarnation_id), geometry, initial_map)
             _insert_version(
@@ -200,8 +201,8 @@ class Ledger:
                 reason = "the daemon did not shut down cleanly (found unended at the next start)"
                 if pending is not None:
                     reason += (
-                        f"; engine {pending.engine_id!r}'s move of layers {list(pending.layers)} "
-                        f"from version {pending.base_version} was pending"
+                        f"; a move was pending (engine {pending.engine_id!r}, layers "
+                        f"{list(pending.layers)}, from version {pending.base_version})"
                     )
                 _end(conn, inc.incarnation_id, at, state, reason)
             previous = reader.incarnation(conn, inc.incarnation_id)
@@ -231,7 +232,7 @@ class Ledger:
             state = "dirty" if (record.dirty or record.pending) else "clean"
             reason = "daemon shut down"
             if record.pending is not None:
-                reason += f" while engine {record.pending.engine_id!r}'s move was pending"
+                reason += f" while a move of engine {record.pending.engine_id!r} was pending"
             with self.transaction("ending the incarnation in") as conn:
                 _end(conn, record.incarnation_id, utc_now(), state, reason)
             self.record = None
@@ -377,8 +378,8 @@ def _prune_one(conn: Connection, inc: reader.Incarnation, keep_versions: int) ->
     pending = reader.pending_move(conn, inc.incarnation_id) if inc.ended_at is None else None
     if pending is not None:
         raise LedgerError(
-            f"incarnation {inc.incarnation_id} has engine {pending.engine_id!r}'s move of layers "
-            f"{list(pending.layers)} pending; prune after it commits or aborts"
+            f"incarnation {inc.incarnation_id} has a move pending (engine {pending.engine_id!r}, "
+            f"layers {list(pending.layers)}); prune after it commits or aborts"
         )
     current, _ = reader.current_version(conn, inc.incarnation_id)
     keep_from = max(0, current - keep_versions + 1)

@@ -171,8 +171,18 @@ def pending_move(conn: Connection, incarnation_id: int) -> PendingMove | None:
 
 
 def dirty_mark(conn: Connection, incarnation_id: int) -> DirtyMark | None:
-    event = _last_event(conn, incarnation_id, (ev.DIRTY,))
-    return None if event is None else DirtyMark(move=_move_of(event), at=event.at)
+    """The dirty mark, with the move it names as its begin recorded it."""
+    dirty = _last_event(conn, incarnation_id, (ev.DIRTY,))
+    if dirty is None:
+        return None
+    begin = conn.execute(
+        text(
+            "SELECT * FROM events WHERE incarnation_id = :i AND kind = :k AND event_id < :d "
+            "ORDER BY event_id DESC LIMIT 1"
+        ),
+        {"i": incarnation_id, "k": ev.BEGIN, "d": dirty.event_id},
+    ).first()
+    return DirtyMark(move=_move_of(begin if begin is not None else dirty), at=dirty.at)
 
 
 def non_following_fetch(conn: Connection, incarnation_id: int) -> bool:

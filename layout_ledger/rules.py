@@ -51,13 +51,13 @@ def check_engine_id(engine_id: Any) -> str:
 
 
 def check_attach(state: StateView, engine_id: Any) -> str:
-    engine_id = check_engine_id(engine_id)
-    if engine_id in state.attached:
+    valid_id = check_engine_id(engine_id)
+    if valid_id in state.attached:
         raise errors.EngineAlreadyAttached(
-            f"engine {engine_id!r} is already attached to this daemon; every engine start needs "
+            f"engine {valid_id!r} is already attached to this daemon; every engine start needs "
             f"a new engine_id (is an older instance of this engine still exiting?)"
         )
-    return engine_id
+    return valid_id
 
 
 def check_begin(
@@ -111,7 +111,7 @@ def check_begin(
 def _own_pending(state: StateView, engine_id: str, verb: str) -> PendingMove:
     pending = state.pending
     if pending is None or pending.engine_id != engine_id:
-        owner = "" if pending is None else f" (the pending move is engine {pending.engine_id!r}'s)"
+        owner = "" if pending is None else f" (engine {pending.engine_id!r} has the pending move)"
         raise errors.NoPendingMove(
             f"engine {engine_id!r} has no move pending{owner}; send expert_layout_begin before "
             f"expert_layout_{verb}"

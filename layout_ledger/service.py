@@ -58,13 +58,14 @@ class LayoutService:
     def handle(self, request: dict[str, Any]) -> Reply:
         """Answer one request whose ``type`` is in ``messages.LAYOUT_REQUEST_TYPES``."""
         kind = request.get("type")
-        handler = {
+        handlers = {
             msg.ATTACH: self._attach,
             msg.QUERY: self._query,
             msg.BEGIN: self._begin,
             msg.COMMIT: self._commit,
             msg.ABORT: self._abort,
-        }.get(kind)  # type: ignore[call-overload]
+        }
+        handler = handlers.get(kind) if isinstance(kind, str) else None
         if handler is None:
             return _reply(msg.ERROR, f"not an expert layout request: {kind!r}")
         return handler(request)

@@ -17,10 +17,11 @@ import logging
 import os
 import sqlite3
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.pool import StaticPool
 
 from layout_ledger.errors import LedgerFileError, LedgerLocked
@@ -80,6 +81,11 @@ class WriterLock:
 
     def __init__(self, ledger_path: Path) -> None:
         self.path = lock_path_for(ledger_path)
+        if not ledger_path.parent.is_dir():
+            raise LedgerFileError(
+                f"cannot open ledger {ledger_path}: its directory {ledger_path.parent} does not "
+                f"exist; create it or pass another ledger path"
+            )
         _check_owned_regular_file(self.path, "ledger lock file")
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
@@ -120,11 +126,11 @@ def _apply_pragmas(conn: sqlite3.Connection, *, writer: bool) -> None:
         conn.execute("PRAGMA query_only=ON")
 
 
-def _engine(creator, *, begin_sql: str) -> Engine:
+def _engine(creator: Callable[[], sqlite3.Connection], *, begin_sql: str) -> Engine:
     engine = create_engine("sqlite://", creator=creator, poolclass=StaticPool)
 
     @event.listens_for(engine, "begin")
-    def _begin(connection):  # type: ignore[no-untyped-def]
+    def _begin(connection: Connection) -> None:
         connection.exec_driver_sql(begin_sql)
 
     return engine

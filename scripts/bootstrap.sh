@@ -14,7 +14,7 @@ python="${PYTHON:-python3.11}"
 command -v "$python" >/dev/null 2>&1 || python=python3
 
 stamp_inputs() {
-  cat requirements/sglang-cpu.txt requirements/project.txt setup.cfg pyproject.toml scripts/bootstrap.sh
+  cat requirements/sglang-cpu.txt requirements/project.txt setup.cfg scripts/bootstrap.sh
 }
 want="$(stamp_inputs | sha256sum | cut -d' ' -f1)"
 stamp="$venv/.bootstrap-stamp"
@@ -24,9 +24,14 @@ fi
 
 echo "bootstrap: preparing $venv (first run takes a few minutes)" >&2
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-"${pip[@]}" install --no-deps -r requirements/sglang-cpu.txt
-"${pip[@]}" install -r requirements/project.txt
-"${pip[@]}" install --no-deps --no-build-isolation -e .
+pip_install() {
+  # pip warns once per package about index locations this machine lists but does not have.
+  "$venv/bin/python" -m pip --disable-pip-version-check -q install "$@" 2>&1 \
+    | { grep -v -e "is ignored: it is neither a file nor a directory" -e "requires .*, which is not installed" -e "incompatible\.$" -e "dependency resolver does not currently" || true; }
+  return "${PIPESTATUS[0]}"
+}
+pip_install --no-deps -r requirements/sglang-cpu.txt
+pip_install -r requirements/project.txt
+pip_install --no-deps --no-build-isolation -e .
 echo "$want" >"$stamp"
 echo "bootstrap: ready ($venv)" >&2

@@ -1,0 +1,134 @@
+"""Retention: prune keeps the current map, every event and the last N versions; WAL bounded."""
+
+from __future__ import annotations
+
+import logging
+import random
+import sqlite3
+
+import pytest
+from ledger_support import move, open_ledger, start, table_dump
+
+from layout_ledger import ledger as ledger_module
+from layout_ledger.errors import LedgerError
+from layout_ledger.layout import layout_digest
+from layout_ledger.reader import LedgerReader, map_at
+
+
+def _kept_versions_verify(path, incarnation_id):
+    """Every version the rows still hold rebuilds to the digest recorded when it was committed."""
+    with LedgerReader(path) as reader, reader.connect() as conn:
+        from layout_ledger import reader as r
+
+        inc = r.incarnation(conn, incarnation_id)
+        floor = r.reconstructible_from(conn, incarnation_id)
+        current, _ = r.current_version(conn, incarnation_id)
+        recorded = dict(
+            conn.exec_driver_sql(
+                "SELECT version, digest FROM versions WHERE incarnation_id = ?", (incarnation_id,)
+            ).all()
+        )
+        for version in range(floor, current + 1):
+            assert layout_digest(map_at(conn, inc, version)) == recorded[version], version
+        return floor, current
+
+
+def test_prune_keeps_the_current_map_every_event_and_the_last_n_versions(tmp_path):
+    path = tmp_path / "l.sqlite"
+    ledger = open_ledger(path, keep_versions=10_000, prune_every=10_000)
+    record = start(ledger)
+    record.attach("A")
+    rng = random.Random(5)
+    for _ in range(40):
+        move(record, "A", rng.sample(range(8), 3), rng)
+    before_state = LedgerReader(path).state()
+    before = table_dump(path)
+    (report,) = ledger.prune(keep_versions=10)
+    after = table_dump(path)
+    assert report.keep_from_version == 31
+    assert report.rows_removed == len(before["layout_rows"]) - len(after["layout_rows"]) > 0
+    assert after["events"][: len(before["events"])] == before["events"]
+    assert after["events"][-1][3] == "prune"
+    assert after["versions"] == before["versions"]
+    assert LedgerReader(path).state() == before_state
+    assert _kept_versions_verify(path, record.incarnation_id) == (31, 40)
+    with LedgerReader(path) as reader, reader.connect() as conn:
+        from layout_ledger import reader as r
+
+        with pytest.raises(
+            LedgerError, match="version 30 is not among them \\(older versions were pruned\\)"
+        ):
+            map_at(conn, r.incarnation(conn, 1), 30)
+    ledger.close()
+
+
+def test_prune_refuses_while_a_move_is_pending_and_changes_nothing(tmp_path):
+    path = tmp_path / "l.sqlite"
+    ledger = open_ledger(path)
+    record = start(ledger)
+    record.attach("A")
+    rng = random.Random(1)
+    for _ in range(5):
+        move(record, "A", [0], rng)
+    record.begin("A", record.version, [1])
+    before = table_dump(path)
+    with pytest.raises(
+        LedgerError, match=r"has a move pending \(engine 'A', layers \[1\]\); prune after"
+    ):
+        ledger.prune(keep_versions=1)
+    assert table_dump(path) == before
+    ledger.close()
+
+
+def test_the_daemon_prunes_by_itself_so_a_long_run_stays_bounded(tmp_path):
+    path = tmp_path / "l.sqlite"
+    ledger = open_ledger(path, keep_versions=5, prune_every=10)
+    record = start(ledger)
+    record.attach("A")
+    rng = random.Random(2)
+    for _ in range(200):
+        move(record, "A", list(range(8)), rng)
+    rows = table_dump(path)["layout_rows"]
+    # At most keep_versions + prune_every versions of all 8 layers are ever held.
+    assert len(rows) <= (5 + 10) * 8
+    floor, current = _kept_versions_verify(path, record.incarnation_id)
+    assert current == 200 and floor == 196
+    ledger.close()
+
+
+def test_a_restarted_daemon_prunes_earlier_incarnations_too(tmp_path):
+    path = tmp_path / "l.sqlite"
+    ledger = open_ledger(path, keep_versions=3, prune_every=1000)
+    record = start(ledger)
+    record.attach("A")
+    rng = random.Random(3)
+    for _ in range(20):
+        move(record, "A", [2], rng)
+    ledger.close()
+    ledger = open_ledger(path, keep_versions=3, prune_every=1000)
+    start(ledger)
+    assert _kept_versions_verify(path, 1) == (18, 20)
+    ledger.close()
+
+
+def test_a_long_lived_reader_cannot_starve_the_wal_unnoticed(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "l.sqlite"
+    monkeypatch.setattr(ledger_module, "WAL_WARN_BYTES", 64 * 1024)
+    ledger = open_ledger(path, keep_versions=10_000, prune_every=10_000)
+    record = start(ledger)
+    record.attach("A")
+    rng = random.Random(4)
+    reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM events").fetchone()  # holds a snapshot
+    for _ in range(30):
+        move(record, "A", list(range(8)), rng)
+    with caplog.at_level(logging.WARNING, logger="layout_ledger.ledger"):
+        result = ledger.checkpoint(truncate=True)
+    assert result.busy or result.checkpointed_frames < result.wal_frames
+    assert "a reader has held one snapshot open for a long time" in caplog.text
+    reader.rollback()
+    reader.close()
+    result = ledger.checkpoint(truncate=True)
+    assert not result.busy and result.wal_bytes == 0
+    ledger.close()
