@@ -1,0 +1,177 @@
+"""The two writing commands of ``layout-ledger``: ``prune`` and ``upgrade``.
+
+Both open the ledger the way its daemon does (the one-writer lock, then a writer connection),
+so while a daemon owns the file they fail at once with ``LedgerLocked`` naming its holder,
+and neither ever creates a ledger: a missing path is an error, not a new file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.exc import DBAPIError
+
+from layout_ledger import reader
+from layout_ledger.errors import LedgerFileError, LedgerStorageError
+from layout_ledger.ledger import Ledger
+from layout_ledger.migrate import file_revision, upgrade_to_head
+from layout_ledger.reader import LedgerReader
+from layout_ledger.report import JsonObject
+from layout_ledger.schema import SCHEMA_HEAD
+from layout_ledger.storage import WriterLock, open_writer_engine
+
+
+def _require_existing(path: Path) -> None:
+    if not path.exists():
+        raise LedgerFileError(f"ledger {path} does not exist")
+    if not path.is_file():
+        raise LedgerFileError(f"ledger {path} is not a regular file")
+
+
+# --- prune --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrunedIncarnation:
+    incarnation_id: int
+    rows_removed: int
+    reconstructible_from: int
+    current_version: int
+
+    def to_json(self) -> JsonObject:
+        return {
+            "incarnation_id": self.incarnation_id,
+            "rows_removed": self.rows_removed,
+            "reconstructible_from": self.reconstructible_from,
+            "current_version": self.current_version,
+        }
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    path: str
+    keep: int
+    incarnations: tuple[PrunedIncarnation, ...]
+
+    @property
+    def rows_removed(self) -> int:
+        return sum(inc.rows_removed for inc in self.incarnations)
+
+    def to_json(self) -> JsonObject:
+        return {
+            "path": self.path,
+            "keep": self.keep,
+            "rows_removed": self.rows_removed,
+            "incarnations": [inc.to_json() for inc in self.incarnations],
+        }
+
+
+def prune_ledger(path: str | Path, keep: int, incarnation_id: int | None = None) -> PruneResult:
+    """Keep the rows of each incarnation's last ``keep`` versions (``Ledger.prune``)."""
+    path = Path(path)
+    _require_existing(path)
+    # Read-only first: a file of an older schema is reported (run `upgrade`), never upgraded as
+    # a side effect of a prune; a file of a newer one is refused before any lock is taken.
+    LedgerReader(path).close()
+    ledger = Ledger.open(path)
+    try:
+        removed = {
+            report.incarnation_id: report.rows_removed
+            for report in ledger.prune(keep, incarnation_id)
+        }
+        with ledger.reading() as conn:
+            targets = (
+                [reader.incarnation(conn, incarnation_id)]
+                if incarnation_id is not None
+                else reader.incarnations(conn)
+            )
+            pruned = tuple(
+                PrunedIncarnation(
+                    incarnation_id=inc.incarnation_id,
+                    rows_removed=removed.get(inc.incarnation_id, 0),
+                    reconstructible_from=reader.reconstructible_from(conn, inc.incarnation_id),
+                    current_version=reader.current_version(conn, inc.incarnation_id)[0],
+                )
+                for inc in targets
+            )
+    finally:
+        ledger.close()
+    return PruneResult(str(path), keep, pruned)
+
+
+def render_prune(result: PruneResult) -> str:
+    if not result.incarnations:
+        return "the ledger holds no incarnation; nothing to prune"
+    lines = []
+    for inc in result.incarnations:
+        held = f"holds versions {inc.reconstructible_from}..{inc.current_version}"
+        if inc.rows_removed:
+            lines.append(
+                f"incarnation {inc.incarnation_id}: removed {inc.rows_removed} layout rows older "
+                f"than version {inc.reconstructible_from}; {held}"
+            )
+        else:
+            lines.append(f"incarnation {inc.incarnation_id}: nothing to remove; {held}")
+    lines.append(f"removed {result.rows_removed} layout rows in all (every event kept)")
+    return "\n".join(lines)
+
+
+# --- upgrade ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UpgradeResult:
+    path: str
+    from_revision: str
+    to_revision: str
+
+    @property
+    def upgraded(self) -> bool:
+        return self.from_revision != self.to_revision
+
+    def to_json(self) -> JsonObject:
+        return {
+            "path": self.path,
+            "from_revision": self.from_revision,
+            "to_revision": self.to_revision,
+            "upgraded": self.upgraded,
+        }
+
+
+def upgrade_ledger(path: str | Path) -> UpgradeResult:
+    """Upgrade an existing ledger's schema to ``SCHEMA_HEAD``; refuse a newer one."""
+    path = Path(path)
+    _require_existing(path)
+    lock = WriterLock(path)
+    try:
+        engine = open_writer_engine(path)
+        try:
+            with engine.connect() as conn:
+                revision = file_revision(conn)
+                if revision is None:
+                    raise LedgerFileError(
+                        f"{path} holds no ledger schema (an empty SQLite file); a daemon "
+                        f"creates its ledger when it starts, there is nothing to upgrade"
+                    )
+                if conn.in_transaction():
+                    conn.commit()
+                upgrade_to_head(conn, path)
+        except DBAPIError as exc:
+            if "not a database" in str(exc.orig):
+                raise LedgerFileError(f"{path} is not an SQLite database") from exc
+            raise LedgerStorageError(f"upgrading ledger {path} failed: {exc.orig}") from exc
+        finally:
+            engine.dispose()
+    finally:
+        lock.release()
+    return UpgradeResult(str(path), revision, SCHEMA_HEAD)
+
+
+def render_upgrade(result: UpgradeResult) -> str:
+    if result.upgraded:
+        return (
+            f"upgraded ledger {result.path} from schema {result.from_revision} to "
+            f"{result.to_revision}"
+        )
+    return f"ledger {result.path} is already at schema {result.to_revision}; nothing to do"

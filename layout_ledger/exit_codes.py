@@ -1,0 +1,23 @@
+"""The exit codes of ``layout-ledger``, defined once (docs/cli.md lists them).
+
+Scripts branch on these, so a code never changes meaning. ``status`` is the one command that
+uses 3 and 4; ``verify`` and ``export --check`` use 5 when the ledger is readable but wrong.
+"""
+
+from __future__ import annotations
+
+OK = 0
+# The command could not do what was asked: a version that is not held, a prune refused while a
+# move is pending, a ledger owned for writing by a running daemon, a bad value for this ledger.
+FAILED = 1
+# Bad arguments, or a file that is no usable ledger: missing, unreadable, not SQLite, not a
+# ledger, a schema newer than this code (or older, for read commands: run `upgrade`), I/O errors.
+UNUSABLE = 2
+# status: the layout is unknown (an engine left mid-move); restart the daemon.
+DIRTY = 3
+# status: a move is pending, or the daemon refused requests in this incarnation.
+PENDING_OR_REFUSALS = 4
+# verify found an inconsistency; export --check found sglang's metadata differs from the ledger.
+INCONSISTENT = 5
+# Interrupted with Ctrl-C.
+INTERRUPTED = 130

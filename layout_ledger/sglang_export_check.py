@@ -1,0 +1,145 @@
+"""``layout-ledger export --check``: load the exported file through sglang's own code path.
+
+The only module of ``layout_ledger`` that imports sglang (and through it torch), and only inside
+``check_export``; ``layout_ledger.cli`` imports this module only for ``export --check``.
+
+What it runs is what an engine started with ``--init-expert-location FILE`` runs: real
+``ServerArgs`` (``device="cpu"``, ``--ep-num-redundant-experts`` from the ledger's geometry),
+``publish`` for a scheduler rank, ``ModelConfig.from_server_args`` and
+``compute_initial_expert_location_metadata`` (sglang/srt/eplb/expert_location.py:766), which
+reads the file and calls ``ExpertLocationMetadata.init_by_mapping``. The check passes when the
+metadata's ``physical_to_logical_map`` equals the ledger's map, and the model has the ledger's
+layers and logical experts (``init_by_mapping`` itself would accept a map of another model's
+layer count without complaint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from layout_ledger.errors import LedgerError
+from layout_ledger.layout import Geometry, Map
+from layout_ledger.report import JsonObject
+
+# sglang's model registry logs an import error per optional architecture it cannot load on a
+# CPU-only install; these are the ones of 0.5.23 (reference/sglang-on-cpu-facts.md).
+QUIET_ARCHS = "falcon_mamba,inkling,mamba,midashenglm"
+
+
+@dataclass(frozen=True)
+class ExportCheck:
+    model_path: str
+    ep_size: int
+    equal: bool
+    detail: str
+
+    def to_json(self) -> JsonObject:
+        return {
+            "model_path": self.model_path,
+            "ep_size": self.ep_size,
+            "equal": self.equal,
+            "detail": self.detail,
+        }
+
+
+def _first_difference(expected: Map, actual: list[list[int]]) -> str:
+    if len(actual) != len(expected):
+        return f"sglang's map has {len(actual)} layers, the ledger's {len(expected)}"
+    for layer, (want, got) in enumerate(zip(expected, actual, strict=True)):
+        if len(want) != len(got):
+            return f"layer {layer}: sglang's map has {len(got)} slots, the ledger's {len(want)}"
+        for slot, (a, b) in enumerate(zip(want, got, strict=True)):
+            if a != b:
+                return f"layer {layer} slot {slot}: sglang's map holds {b}, the ledger's {a}"
+    return ""
+
+
+def _metadata_map(
+    export_path: Path, model_path: Path, geometry: Geometry, ep_size: int
+) -> tuple[Any, list[list[int]] | None]:
+    os.environ.setdefault("SGLANG_DISABLED_MODEL_ARCHS", QUIET_ARCHS)
+    from sglang.srt.configs.model_config import ModelConfig  # type: ignore[import-untyped]
+    from sglang.srt.eplb.expert_location import (  # type: ignore[import-untyped]
+        ModelConfigForExpertLocation,
+        compute_initial_expert_location_metadata,
+    )
+    from sglang.srt.runtime_context import SpawnRanks, publish  # type: ignore[import-untyped]
+    from sglang.srt.server_args import ServerArgs  # type: ignore[import-untyped]
+
+    args = ServerArgs(
+        model_path=str(model_path),
+        device="cpu",
+        tp_size=ep_size,
+        ep_size=ep_size,
+        ep_num_redundant_experts=geometry.num_physical_slots - geometry.num_logical_experts,
+        init_expert_location=str(export_path),
+        skip_tokenizer_init=True,
+    )
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    model_config = ModelConfig.from_server_args(args)
+    expected = ModelConfigForExpertLocation.from_model_config(model_config)
+    if expected is None:
+        return None, None
+    if (expected.num_layers, expected.num_logical_experts) != (
+        geometry.num_layers,
+        geometry.num_logical_experts,
+    ):
+        return expected, None
+    metadata = compute_initial_expert_location_metadata(model_config, moe_ep_rank=0)
+    if metadata is None:
+        return expected, None
+    rows: Any = metadata.physical_to_logical_map_cpu.tolist()
+    return expected, [[int(v) for v in row] for row in rows]
+
+
+def check_export(
+    export_path: str | Path,
+    model_path: str | Path,
+    expected: Map,
+    geometry: Geometry,
+    *,
+    ep_size: int = 1,
+) -> ExportCheck:
+    """Load ``export_path`` as ``--init-expert-location`` for ``model_path``; compare the maps."""
+    export_path, model_path = Path(export_path), Path(model_path)
+    if not (model_path / "config.json").is_file():
+        raise LedgerError(f"--model-path {model_path} has no config.json")
+    if ep_size < 1 or geometry.num_physical_slots % ep_size:
+        raise LedgerError(
+            f"--ep-size {ep_size} does not divide the {geometry.num_physical_slots} physical "
+            f"slots per layer; pass the EP size the engines run with"
+        )
+    # sglang prints to stdout here and there; keep stdout for the command's own output.
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            model, actual = _metadata_map(export_path, model_path, geometry, ep_size)
+    except Exception as exc:  # sglang's own failure, whatever its type, is the check's answer
+        raise LedgerError(
+            f"sglang could not load {export_path} as --init-expert-location for {model_path}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if model is None:
+        detail = f"sglang builds no expert-location metadata for {model_path} (no routed experts)"
+        return ExportCheck(str(model_path), ep_size, False, detail)
+    if actual is None:
+        detail = (
+            f"the model has {model.num_layers} MoE layers x {model.num_logical_experts} logical "
+            f"experts but the ledger's maps have {geometry.num_layers} layers x "
+            f"{geometry.num_logical_experts} logical experts"
+        )
+        return ExportCheck(str(model_path), ep_size, False, detail)
+    difference = _first_difference(expected, actual)
+    if difference:
+        return ExportCheck(str(model_path), ep_size, False, difference)
+    return ExportCheck(
+        str(model_path),
+        ep_size,
+        True,
+        f"sglang's metadata map equals the ledger's ({len(actual)} layers x "
+        f"{len(actual[0])} physical slots)",
+    )
