@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sqlite3
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -24,9 +23,10 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
 from layout_ledger import events as ev
-from layout_ledger import reader, schema
+from layout_ledger import maintenance, reader, schema
 from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.layout import Geometry, Map, layout_digest, validate_map
+from layout_ledger.maintenance import CheckpointResult, Maintenance
 from layout_ledger.migrate import upgrade_to_head
 from layout_ledger.record import LayoutRecord
 from layout_ledger.state import utc_now
@@ -40,8 +40,6 @@ logger = logging.getLogger(__name__)
 # full history and a ledger of a few tens of MiB.
 DEFAULT_KEEP_VERSIONS = 1000
 DEFAULT_PRUNE_EVERY = 100
-# A checkpoint that cannot reset the WAL past this size means a reader holds an old snapshot.
-WAL_WARN_BYTES = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -62,14 +60,6 @@ class PruneReport:
     incarnation_id: int
     keep_from_version: int
     rows_removed: int
-
-
-@dataclass(frozen=True)
-class CheckpointResult:
-    busy: bool
-    wal_frames: int
-    checkpointed_frames: int
-    wal_bytes: int
 
 
 def _storage_error(action: str, path: Path, exc: DBAPIError) -> LedgerStorageError:
@@ -99,6 +89,7 @@ class Ledger:
             self._abandon()
             raise
         self.record: LedgerRecord | None = None
+        self.maintenance: Maintenance | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], retention: Retention | None = None) -> Ledger:
@@ -182,6 +173,7 @@ class Ledger:
             )
         self.record = record
         self._prune_quietly()
+        self._start_maintenance()
         logger.info(
             "expert layout ledger %s: incarnation %d started at version 0 (digest %s)",
             self.path,
@@ -217,9 +209,25 @@ class Ledger:
                 previous.incarnation_id,
             )
 
+    def _start_maintenance(self) -> None:
+        if self.maintenance is not None:
+            return
+        with self._lock:
+            driver = self._conn.connection.dbapi_connection
+            if driver is not None:
+                driver.execute("PRAGMA wal_autocheckpoint=0")
+        self.maintenance = Maintenance(
+            self.path, self._prune_live_incarnation, self.retention.prune_every, self._lock
+        )
+
+    def _prune_live_incarnation(self) -> None:
+        record = self.record
+        if record is not None:
+            self.prune(self.retention.keep_versions, record.incarnation_id, refuse_pending=False)
+
     def _prune_quietly(self) -> None:
         try:
-            self.prune(self.retention.keep_versions)
+            self.prune(self.retention.keep_versions, refuse_pending=False)
         except LedgerError as exc:
             logger.warning("expert layout ledger %s: prune failed: %s", self.path, exc)
 
@@ -241,6 +249,9 @@ class Ledger:
     def close(self) -> None:
         """End the live incarnation cleanly (if any), checkpoint, release the file."""
         try:
+            if self.maintenance is not None:
+                self.maintenance.stop()
+                self.maintenance = None
             if self.record is not None:
                 self.end_incarnation()
             self.checkpoint(truncate=True)
@@ -252,12 +263,20 @@ class Ledger:
 
     # --- retention and WAL ----------------------------------------------------------------
 
-    def prune(self, keep_versions: int, incarnation_id: int | None = None) -> list[PruneReport]:
+    def prune(
+        self,
+        keep_versions: int,
+        incarnation_id: int | None = None,
+        *,
+        refuse_pending: bool = True,
+    ) -> list[PruneReport]:
         """Keep, per incarnation, the rows of its last ``keep_versions`` versions.
 
         The current map and every event stay; each kept version's map stays reconstructible
-        (each layer keeps the newest row at or before the oldest kept version). Refuses while
-        a move is pending on the incarnation it prunes.
+        (each layer keeps the newest row at or before the oldest kept version). An operator's
+        prune refuses while a move is pending on the incarnation it prunes; the daemon's own
+        retention (``refuse_pending=False``) need not: a pending move writes no rows until it
+        commits, and then only above the current version.
         """
         if keep_versions < 1:
             raise LedgerError(
@@ -271,37 +290,18 @@ class Ledger:
                 else reader.incarnations(conn)
             )
             for inc in targets:
-                report = _prune_one(conn, inc, keep_versions)
+                report = _prune_one(conn, inc, keep_versions, refuse_pending)
                 if report is not None:
                     reports.append(report)
         return reports
 
     def checkpoint(self, *, truncate: bool = False) -> CheckpointResult:
-        mode = "TRUNCATE" if truncate else "PASSIVE"
+        """Checkpoint on the writer connection, outside any transaction."""
         with self._lock:
-            # Outside any transaction (a checkpoint cannot run inside one): use the driver
-            # connection directly, which autocommits (isolation_level=None).
             driver = self._conn.connection.dbapi_connection
             if driver is None:
                 raise LedgerError(f"ledger {self.path} is closed")
-            try:
-                row = driver.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
-            except sqlite3.Error as exc:
-                raise LedgerStorageError(f"checkpointing ledger {self.path} failed: {exc}") from exc
-        wal = self.path.with_name(self.path.name + "-wal")
-        size = wal.stat().st_size if wal.exists() else 0
-        result = CheckpointResult(bool(row[0]), int(row[1]), int(row[2]), size)
-        if size > WAL_WARN_BYTES and (
-            result.busy or result.checkpointed_frames < result.wal_frames
-        ):
-            logger.warning(
-                "expert layout ledger %s: the WAL is %d MiB and a checkpoint could not reset it; "
-                "a reader has held one snapshot open for a long time (close long-running sqlite3 "
-                "sessions on this file)",
-                self.path,
-                size // (1024 * 1024),
-            )
-        return result
+            return maintenance.checkpoint(driver, self.path, truncate=truncate)  # type: ignore[arg-type]
 
 
 def _end(conn: Connection, incarnation_id: int, at: str, state: str, reason: str) -> None:
@@ -374,8 +374,11 @@ def _insert_version(
     _insert_events(conn, incarnation_id, [event])
 
 
-def _prune_one(conn: Connection, inc: reader.Incarnation, keep_versions: int) -> PruneReport | None:
-    pending = reader.pending_move(conn, inc.incarnation_id) if inc.ended_at is None else None
+def _prune_one(
+    conn: Connection, inc: reader.Incarnation, keep_versions: int, refuse_pending: bool
+) -> PruneReport | None:
+    live = inc.ended_at is None and refuse_pending
+    pending = reader.pending_move(conn, inc.incarnation_id) if live else None
     if pending is not None:
         raise LedgerError(
             f"incarnation {inc.incarnation_id} has a move pending (engine {pending.engine_id!r}, "
@@ -432,22 +435,7 @@ class LedgerRecord(LayoutRecord):
                 _insert_events(conn, self.incarnation_id, list(events))
 
     def commit(self, engine_id: Any, rows: Any) -> tuple[int, str]:
-        with self._lock:
-            result = super().commit(engine_id, rows)
-            self._maybe_prune(result[0])
-            return result
-
-    def _maybe_prune(self, version: int) -> None:
-        retention = self.ledger.retention
-        if version % retention.prune_every:
-            return
-        try:
-            self.ledger.prune(retention.keep_versions, self.incarnation_id)
-            self.ledger.checkpoint()
-        except LedgerError as exc:
-            # The commit is durable; retention only bounds the file. Never fail the commit.
-            logger.warning(
-                "expert layout ledger %s: automatic prune failed: %s",
-                self.ledger.path,
-                exc,
-            )
+        result = super().commit(engine_id, rows)
+        if self.ledger.maintenance is not None:
+            self.ledger.maintenance.note_commit()
+        return result

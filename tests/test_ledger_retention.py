@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 from ledger_support import move, open_ledger, start, table_dump
 
-from layout_ledger import ledger as ledger_module
+from layout_ledger import maintenance
 from layout_ledger.errors import LedgerError
 from layout_ledger.layout import layout_digest
 from layout_ledger.reader import LedgerReader, map_at
@@ -88,6 +88,7 @@ def test_the_daemon_prunes_by_itself_so_a_long_run_stays_bounded(tmp_path):
     rng = random.Random(2)
     for _ in range(200):
         move(record, "A", list(range(8)), rng)
+    assert ledger.maintenance.wait_idle(timeout=30)
     rows = table_dump(path)["layout_rows"]
     # At most keep_versions + prune_every versions of all 8 layers are ever held.
     assert len(rows) <= (5 + 10) * 8
@@ -113,7 +114,7 @@ def test_a_restarted_daemon_prunes_earlier_incarnations_too(tmp_path):
 
 def test_a_long_lived_reader_cannot_starve_the_wal_unnoticed(tmp_path, monkeypatch, caplog):
     path = tmp_path / "l.sqlite"
-    monkeypatch.setattr(ledger_module, "WAL_WARN_BYTES", 64 * 1024)
+    monkeypatch.setattr(maintenance, "WAL_WARN_BYTES", 64 * 1024)
     ledger = open_ledger(path, keep_versions=10_000, prune_every=10_000)
     record = start(ledger)
     record.attach("A")
@@ -123,7 +124,7 @@ def test_a_long_lived_reader_cannot_starve_the_wal_unnoticed(tmp_path, monkeypat
     reader.execute("SELECT count(*) FROM events").fetchone()  # holds a snapshot
     for _ in range(30):
         move(record, "A", list(range(8)), rng)
-    with caplog.at_level(logging.WARNING, logger="layout_ledger.ledger"):
+    with caplog.at_level(logging.WARNING, logger="layout_ledger.maintenance"):
         result = ledger.checkpoint(truncate=True)
     assert result.busy or result.checkpointed_frames < result.wal_frames
     assert "a reader has held one snapshot open for a long time" in caplog.text

@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""Ledger benchmark at DeepSeek-V3 scale (58 layers x 288 physical slots, 256 logical experts).
+
+Prints, measured side by side in one run:
+  (a) durable commit of one all-layer chunk: ledger vs in-memory record vs an atomic rewrite
+      of the whole map as one JSON file (write, fsync, rename, fsync dir), each through the same
+      record rules (validation, digest), so the difference is the persistence alone;
+  (b) reconstruction of the current map after 10 and after 10,000 committed versions;
+  (c) bytes on disk per committed layer row;
+  (d) file size after a simulated week of rebalancing every minute (10,080 all-layer commits)
+      with the default retention.
+
+  .venv/bin/python scripts/bench_ledger.py [--quick] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from layout_ledger import events as ev
+from layout_ledger import reader
+from layout_ledger.layout import Geometry, trivial_map
+from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Ledger, Retention
+from layout_ledger.reader import LedgerReader
+from layout_ledger.record import LayoutRecord, MemoryRecord
+
+GEOMETRY = Geometry(num_layers=58, num_physical_slots=288, num_logical_experts=256)
+ALL_LAYERS = list(range(GEOMETRY.num_layers))
+
+
+class JsonFileRecord(LayoutRecord):
+    """The baseline: every change rewrites the whole state as one JSON file, atomically.
+
+    It keeps the map as lists (as a JSON-file design would) and serializes it with
+    ``json.dumps`` (the C encoder) on every change; it keeps no history.
+    """
+
+    def __init__(self, path: Path, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.path = path
+
+    def _persist(self, *events: ev.Event, rows: Mapping[int, str] | None = None) -> None:
+        current = [list(row) for row in self._rows]
+        for layer, text in (rows or {}).items():
+            current[layer] = json.loads(text)
+        state = {
+            "version": events[-1].new_version if rows else self.version,
+            "digest": events[-1].digest_after if rows else self.digest,
+            "physical_to_logical_map": current,
+            "pending": None if self.pending is None else self.pending.to_protocol(),
+        }
+        tmp = self.path.with_suffix(".tmp")
+        data = json.dumps(state, separators=(",", ":")).encode()
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.rename(tmp, self.path)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+def random_rows(rng: random.Random, layers: list[int]) -> dict[int, list[int]]:
+    return {
+        layer: [
+            rng.randrange(GEOMETRY.num_logical_experts) for _ in range(GEOMETRY.num_physical_slots)
+        ]
+        for layer in layers
+    }
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def bench_commit(workdir: Path, commits: int) -> dict[str, list[float]]:
+    rng = random.Random(1)
+    chunks = [random_rows(rng, ALL_LAYERS) for _ in range(commits)]
+    initial = trivial_map(58, 288, 256)
+    ledger = Ledger.open(workdir / "commit.sqlite")
+    records = {
+        "ledger (SQLite, WAL, synchronous=FULL)": ledger.start_incarnation(GEOMETRY, initial),
+        "in-memory record (no persistence)": MemoryRecord(1, GEOMETRY, initial),
+        "atomic JSON rewrite (write, fsync, rename, fsync dir)": JsonFileRecord(
+            workdir / "layout.json", 1, GEOMETRY, initial
+        ),
+    }
+    timings: dict[str, list[float]] = {name: [] for name in records}
+    for record in records.values():
+        record.attach("engine")
+    # Interleave the three so machine noise hits them alike.
+    for rows in chunks:
+        for name, record in records.items():
+            record.begin("engine", record.version, ALL_LAYERS)
+            started = time.perf_counter()
+            record.commit("engine", rows)
+            timings[name].append(time.perf_counter() - started)
+    ledger.close()
+    return timings
+
+
+def bench_reconstruction(workdir: Path, versions: int, repeats: int) -> float:
+    path = workdir / f"history-{versions}.sqlite"
+    ledger = Ledger.open(path, Retention(keep_versions=10**9, prune_every=10**9))
+    record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
+    record.attach("engine")
+    rng = random.Random(versions)
+    for _ in range(versions):
+        layer = rng.randrange(GEOMETRY.num_layers)
+        record.begin("engine", record.version, [layer])
+        record.commit("engine", random_rows(rng, [layer]))
+    ledger.close()
+    samples = []
+    with LedgerReader(path) as handle:
+        for _ in range(repeats):
+            with handle.connect() as conn:
+                inc = reader.incarnation(conn)
+                started = time.perf_counter()
+                reader.map_at(conn, inc)
+                samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def file_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
+
+
+def bench_row_bytes(workdir: Path, commits: int) -> float:
+    path = workdir / "rows.sqlite"
+    ledger = Ledger.open(path, Retention(keep_versions=10**9, prune_every=10**9))
+    record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
+    record.attach("engine")
+    ledger.checkpoint(truncate=True)
+    before = file_bytes(path)
+    rng = random.Random(3)
+    for _ in range(commits):
+        record.begin("engine", record.version, ALL_LAYERS)
+        record.commit("engine", random_rows(rng, ALL_LAYERS))
+    ledger.checkpoint(truncate=True)
+    after = file_bytes(path)
+    ledger.close()
+    return (after - before) / (commits * GEOMETRY.num_layers)
+
+
+def bench_week(workdir: Path, commits: int) -> tuple[int, int]:
+    path = workdir / "week.sqlite"
+    ledger = Ledger.open(path)
+    record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
+    record.attach("engine")
+    rng = random.Random(4)
+    pool = [random_rows(rng, ALL_LAYERS) for _ in range(16)]
+    peak = 0
+    for n in range(commits):
+        record.begin("engine", record.version, ALL_LAYERS)
+        record.commit("engine", pool[n % len(pool)])
+        if n % 500 == 0:
+            peak = max(peak, file_bytes(path))
+    ledger.close()
+    return file_bytes(path), max(peak, file_bytes(path))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller counts, for a smoke run")
+    parser.add_argument("--dir", type=Path, help="where to put the files (default: a temp dir)")
+    args = parser.parse_args()
+    commits, long_history, week = (30, 1000, 1000) if args.quick else (300, 10_000, 10_080)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        workdir = Path(tmp)
+        timings = bench_commit(workdir, commits)
+        short = bench_reconstruction(workdir, 10, repeats=50)
+        long = bench_reconstruction(workdir, long_history, repeats=50)
+        row_bytes = bench_row_bytes(workdir, 50)
+        week_final, week_peak = bench_week(workdir, week)
+
+    ledger_name, memory_name, json_name = list(timings)
+    print(
+        f"Ledger benchmark, {GEOMETRY.num_layers} layers x {GEOMETRY.num_physical_slots} slots, "
+        f"{GEOMETRY.num_logical_experts} experts, {os.cpu_count()} CPUs"
+    )
+    print()
+    print(f"(a) durable commit of one all-layer chunk, {commits} commits each, interleaved")
+    print(f"    {'':58s} {'median':>10s} {'p99':>10s}")
+    for name, values in timings.items():
+        print(f"    {name:58s} {ms(statistics.median(values)):>10s} {ms(pct(values, 0.99)):>10s}")
+    ledger_median = statistics.median(timings[ledger_name])
+    vs_json = ledger_median / statistics.median(timings[json_name])
+    vs_memory = ledger_median / statistics.median(timings[memory_name])
+    print(f"    ledger / JSON rewrite median:  {vs_json:.2f}   (target <= 1.00)")
+    print(f"    ledger / in-memory median:     {vs_memory:.2f}")
+    ledger_p99 = ms(pct(timings[ledger_name], 0.99))
+    print(f"    ledger p99:                    {ledger_p99}   (target < 10 ms)")
+    print()
+    print("(b) reconstruction of the current map (median of 50)")
+    print(f"    after 10 versions:      {ms(short)}")
+    print(f"    after {long_history:,} versions:  {ms(long)}")
+    print(f"    ratio:                  {long / short:.2f}   (target < 1.5)")
+    print()
+    print(
+        f"(c) bytes on disk per committed layer row ({GEOMETRY.num_physical_slots} slots): "
+        f"{row_bytes:.0f}"
+    )
+    print()
+    print(
+        f"(d) {week:,} all-layer commits (a week at one a minute), default retention "
+        f"(keep {DEFAULT_KEEP_VERSIONS} versions, prune every {DEFAULT_PRUNE_EVERY})"
+    )
+    print(
+        f"    final file + WAL: {week_final / 2**20:.1f} MiB; peak: {week_peak / 2**20:.1f} MiB"
+        "   (target < 256 MiB)"
+    )
+
+
+if __name__ == "__main__":
+    main()
