@@ -1,0 +1,426 @@
+"""The hooks on sglang 0.5.23's ``WeightCacheDaemon``: the expert layout protocol in the daemon.
+
+This module is the one place that knows the daemon's internals (``weight_cache/daemon.py``):
+
+- ``WeightCacheDaemon.load`` (daemon.py:252-401) ends by building the initial expert layout with
+  ``_initialize_eplb_expert_location_metadata`` (daemon.py:326, 474-489) when ``--enable-eplb``
+  (``get_exec().moe.enable_eplb``). ``around_load`` runs the original, then reads that global
+  ``ExpertLocationMetadata.physical_to_logical_map``, opens the daemon's ledger
+  (``ledger_paths``), starts a new incarnation at version 0 and keeps a ``LayoutService`` on the
+  daemon. Without ``--enable-eplb`` (or for a model without routed experts) the service has no
+  record and answers the layout requests with ``no_record``.
+- ``WeightCacheDaemon.serve`` (daemon.py:491-554) accepts connections one at a time, gives each
+  a 30 s timeout, calls ``_handle_connection(conn)`` and always ``conn.close()``\\ s it after,
+  logging (never raising) any exception. ``around_serve`` ends the ledger incarnation cleanly
+  when the loop stops (SIGTERM/SIGINT) and stops the attach watcher.
+- ``WeightCacheDaemon._handle_connection`` (daemon.py:556-611) reads one request with
+  ``recv_msg`` and branches on ``req.get("type")``. ``around_handle_connection`` reads the
+  request itself through sglang's own ``recv_msg`` while keeping the frame's bytes, then:
+
+  * the five ``expert_layout_*`` types go to the service; an ``ok`` attach hands a duplicate of
+    the connection to the ``AttachWatcher`` before the reply is sent, so the connection outlives
+    serve's ``conn.close()`` and its EOF detaches the engine;
+  * ``fetch_state`` whose config matches (the same ``CacheConfig.from_dict`` / ``matches`` test
+    as daemon.py:566-567) gets the layout check; a refusal is answered ``layout_refused`` before
+    any transport work;
+  * everything else (``ping``, ``query_config``, unknown types, non-dict requests, a
+    ``fetch_state`` with a mismatched or broken config, and a ``fetch_state`` the layout check
+    lets through) runs sglang's original handler on a connection that replays the frame's
+    bytes, so its replies, log lines, errors and transport call are sglang's own, unchanged.
+
+- ``spawn_weight_cache_daemon`` (daemon.py:681-696) starts each daemon with ``multiprocessing``
+  spawn: a fresh interpreter that never ran the plugin. ``around_spawn_weight_cache_daemon`` (the
+  engine side registers it for ``--weight-cache-mode daemon``; the standalone launcher too)
+  starts the same process with ``run_hooked_weight_cache_daemon`` as its target, which installs
+  these hooks and then runs sglang's ``run_weight_cache_daemon`` (daemon.py:625-658) unchanged.
+
+The plugin never lets an exception escape into the serve loop from its own logic: a failure
+inside the service becomes an ``error`` reply (or ``layout_refused`` for a fetch, the safe side).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from layout_ledger import messages as msg
+from layout_ledger.errors import LedgerError
+from layout_ledger.layout import Geometry, Map
+from layout_ledger.ledger import Ledger, LedgerRecord, Retention
+from layout_ledger.service import LayoutService
+from sglang_integration import ledger_paths
+from sglang_integration.attach_watcher import AttachWatcher, WatcherStopped
+
+logger = logging.getLogger(__name__)
+
+_DAEMON_MODULE = "sglang.srt.weight_cache.daemon"
+LOAD_TARGET = f"{_DAEMON_MODULE}.WeightCacheDaemon.load"
+SERVE_TARGET = f"{_DAEMON_MODULE}.WeightCacheDaemon.serve"
+HANDLE_TARGET = f"{_DAEMON_MODULE}.WeightCacheDaemon._handle_connection"
+SPAWN_TARGET = f"{_DAEMON_MODULE}.spawn_weight_cache_daemon"
+
+# The attribute of a WeightCacheDaemon that holds its DaemonLayout.
+_LAYOUT_ATTR = "_expert_layout"
+
+
+@dataclass
+class DaemonLayout:
+    """The expert layout side of one daemon: its service, attach watcher and ledger."""
+
+    service: LayoutService
+    watcher: AttachWatcher
+    ledger: Ledger | None = None
+
+    def close(self) -> None:
+        """Stop watching attach connections, then end the ledger incarnation cleanly."""
+        self.watcher.stop()
+        if self.ledger is not None:
+            self.ledger.close()
+
+
+# --- installing the hooks ---------------------------------------------------------------------
+
+
+def register_spawn_hook() -> None:
+    """Make every daemon sglang spawns (engine ``daemon`` mode, standalone launcher) hooked."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(SPAWN_TARGET, around_spawn_weight_cache_daemon, HookType.AROUND)
+
+
+def register_daemon_hooks() -> None:
+    """Register the daemon-class hooks and the spawn hook (applied by ``apply_hooks``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(LOAD_TARGET, around_load, HookType.AROUND)
+    HookRegistry.register(SERVE_TARGET, around_serve, HookType.AROUND)
+    HookRegistry.register(HANDLE_TARGET, around_handle_connection, HookType.AROUND)
+    register_spawn_hook()
+
+
+class _Installed:
+    done = False
+
+
+def install_daemon_hooks() -> None:
+    """Register and apply the daemon hooks in this (daemon) process; idempotent."""
+    if _Installed.done:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    register_daemon_hooks()
+    HookRegistry.apply_hooks()
+    _Installed.done = True
+    logger.info("expert layout hooks installed on sglang's WeightCacheDaemon")
+
+
+def daemon_hooks_applied() -> bool:
+    """True when ``WeightCacheDaemon._handle_connection`` runs through this module's hook."""
+    from sglang.srt.weight_cache.daemon import WeightCacheDaemon
+
+    handler = WeightCacheDaemon._handle_connection
+    while handler is not None:
+        if getattr(handler, "__module__", None) == __name__ or handler is around_handle_connection:
+            return True
+        handler = getattr(handler, "__wrapped__", None)
+    return False
+
+
+# --- the layout side of a daemon ----------------------------------------------------------------
+
+
+def open_ledger_record(
+    path: str | os.PathLike[str],
+    geometry: Geometry,
+    initial_map: Map,
+    *,
+    retention: Retention,
+    config_fingerprint: str,
+    daemon_label: str,
+) -> tuple[Ledger, LedgerRecord]:
+    """Open the ledger (one writer) and start a new incarnation at version 0."""
+    ledger = Ledger.open(path, retention)
+    try:
+        record = ledger.start_incarnation(
+            geometry,
+            initial_map,
+            config_fingerprint=config_fingerprint,
+            daemon_label=daemon_label,
+        )
+    except BaseException:
+        ledger.close()
+        raise
+    return ledger, record
+
+
+def set_daemon_layout(daemon: Any, service: LayoutService, ledger: Ledger | None = None) -> None:
+    """Give ``daemon`` its layout side and start its attach watcher."""
+    previous = getattr(daemon, _LAYOUT_ATTR, None)
+    if previous is not None:
+        raise RuntimeError("this daemon already has an expert layout service")
+
+    def detach(engine_id: str, reason: str) -> None:
+        try:
+            service.detach(engine_id, reason)
+        except LedgerError as exc:
+            logger.error(
+                "could not record engine %r's detach (%s): %s; the daemon counts it as "
+                "attached until it restarts, so no other engine may move experts",
+                engine_id,
+                reason,
+                exc,
+            )
+
+    watcher = AttachWatcher(detach)
+    watcher.start()
+    setattr(daemon, _LAYOUT_ATTR, DaemonLayout(service=service, watcher=watcher, ledger=ledger))
+
+
+def daemon_layout(daemon: Any) -> DaemonLayout | None:
+    return getattr(daemon, _LAYOUT_ATTR, None)
+
+
+def close_daemon_layout(daemon: Any) -> None:
+    """End the daemon's layout side (clean incarnation end); safe to call twice."""
+    layout = getattr(daemon, _LAYOUT_ATTR, None)
+    if layout is None:
+        return
+    setattr(daemon, _LAYOUT_ATTR, None)
+    try:
+        layout.close()
+    except LedgerError as exc:
+        logger.error("could not end the expert layout ledger's incarnation cleanly: %s", exc)
+
+
+def config_fingerprint(config_dict: dict[str, Any]) -> str:
+    """SHA-256 of the daemon's CacheConfig, recorded with each incarnation."""
+    text = json.dumps(config_dict, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# --- WeightCacheDaemon.load -----------------------------------------------------------------------
+
+
+def around_load(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``WeightCacheDaemon.load``: load, then open the record of the initial layout."""
+    result = original_fn(daemon, *args, **kwargs)
+    ledger, record = _open_record_after_load(daemon)
+    set_daemon_layout(daemon, LayoutService(record), ledger)
+    return result
+
+
+def _open_record_after_load(daemon: Any) -> tuple[Ledger | None, LedgerRecord | None]:
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+    from sglang.srt.platforms import current_platform
+    from sglang.srt.runtime_context import get_exec
+
+    if not get_exec().moe.enable_eplb:
+        logger.info("started without --enable-eplb: this daemon keeps no expert layout record")
+        return None, None
+    metadata = get_global_expert_location_metadata()
+    if metadata is None:
+        logger.info("the model has no routed experts: this daemon keeps no expert layout record")
+        return None, None
+    initial_map: Map = metadata.physical_to_logical_map.cpu().tolist()
+    geometry = Geometry(
+        num_layers=int(metadata.num_layers),
+        num_physical_slots=int(metadata.num_physical_experts),
+        num_logical_experts=int(metadata.num_logical_experts),
+    )
+    path = ledger_paths.ledger_path(current_platform.get_device_uuid(daemon.gpu_id))
+    ledger, record = open_ledger_record(
+        path,
+        geometry,
+        initial_map,
+        retention=ledger_paths.retention_from_env(),
+        config_fingerprint=config_fingerprint(daemon.config.to_dict()),
+        daemon_label=(
+            f"pid={os.getpid()} gpu={daemon.gpu_id} tp_rank={daemon.tp_rank} "
+            f"pp_rank={daemon.pp_rank} socket={daemon.socket_path}"
+        ),
+    )
+    return ledger, record
+
+
+# --- WeightCacheDaemon.serve ----------------------------------------------------------------------
+
+
+def around_serve(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``WeightCacheDaemon.serve``: when the loop ends, end the incarnation cleanly."""
+    try:
+        return original_fn(daemon, *args, **kwargs)
+    finally:
+        close_daemon_layout(daemon)
+
+
+# --- WeightCacheDaemon._handle_connection ---------------------------------------------------------
+
+
+class _RecordingConnection:
+    """Reads through to the connection and keeps every byte read (one request frame)."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self._conn = conn
+        self.received = bytearray()
+
+    def recv(self, size: int) -> bytes:
+        data = self._conn.recv(size)
+        self.received.extend(data)
+        return data
+
+
+class _ReplayConnection:
+    """The connection, with the already-read frame served again to the first reads."""
+
+    def __init__(self, conn: socket.socket, already_read: bytes) -> None:
+        self._conn = conn
+        self._replay = memoryview(bytes(already_read))
+
+    def recv(self, size: int, *args: Any) -> bytes:
+        if self._replay:
+            chunk, self._replay = self._replay[:size], self._replay[size:]
+            return bytes(chunk)
+        return self._conn.recv(size, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def around_handle_connection(original_fn: Callable[..., Any], daemon: Any, conn: Any) -> Any:
+    """AROUND ``WeightCacheDaemon._handle_connection``: see the module docstring."""
+    layout = daemon_layout(daemon)
+    if layout is None:
+        return original_fn(daemon, conn)  # no layout side (load() did not run through the hook)
+    from sglang.srt.weight_cache import protocol
+
+    recording = _RecordingConnection(conn)
+    # sglang's framing, size cap and restricted unpickler; what it raises, serve logs (as for
+    # the original handler, whose first line is this same call).
+    request = protocol.recv_msg(recording)
+    kind = request.get("type") if isinstance(request, dict) else None
+    if isinstance(kind, str) and kind in msg.LAYOUT_REQUEST_TYPES:
+        _answer_layout_request(layout, conn, request, kind)
+        return None
+    if kind == msg.FETCH_STATE and _config_matches(daemon, request):
+        refusal = _check_fetch(layout.service, request)
+        if refusal is not None:
+            protocol.send_msg(conn, refusal)
+            return None
+    return original_fn(daemon, _ReplayConnection(conn, bytes(recording.received)))
+
+
+def _config_matches(daemon: Any, request: dict[str, Any]) -> bool:
+    """sglang's own fetch_state config test (daemon.py:566-567); False where it would fail."""
+    from sglang.srt.weight_cache.protocol import CacheConfig
+
+    try:
+        return bool(daemon.config.matches(CacheConfig.from_dict(request["config"])))
+    except Exception:
+        # A missing or broken config: the original handler raises or replies for it, exactly
+        # as sglang does, when this request is handed to it.
+        return False
+
+
+def _check_fetch(service: LayoutService, request: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        return service.check_fetch(request)
+    except Exception as exc:
+        logger.exception("the expert layout check of a fetch_state failed")
+        return {
+            "status": msg.LAYOUT_REFUSED,
+            "reason": f"the daemon could not check the expert layout of this fetch "
+            f"({type(exc).__name__}: {exc}); it does not serve unchecked weights, see its log",
+        }
+
+
+def _answer_layout_request(
+    layout: DaemonLayout, conn: socket.socket, request: dict[str, Any], kind: str
+) -> None:
+    from sglang.srt.weight_cache.protocol import send_msg
+
+    try:
+        reply = layout.service.handle(request)
+    except Exception as exc:
+        logger.exception("handling a %s request failed", kind)
+        reply = {
+            "status": msg.ERROR,
+            "reason": f"the daemon failed to handle {kind} ({type(exc).__name__}: {exc}); "
+            f"see its log",
+        }
+    if kind == msg.ATTACH and reply.get("status") == msg.OK:
+        reply = _keep_attach_connection(layout, conn, request["engine_id"], reply)
+    send_msg(conn, reply)
+
+
+def _keep_attach_connection(
+    layout: DaemonLayout, conn: socket.socket, engine_id: str, reply: dict[str, Any]
+) -> dict[str, Any]:
+    """Hand a duplicate of ``conn`` to the watcher; serve closes only its own descriptor.
+
+    Done before the reply is sent: if the engine is gone by then, the watcher sees the EOF.
+    """
+    try:
+        kept = conn.dup()
+    except OSError as exc:
+        failure = f"the daemon could not keep the attach connection open: {exc}"
+    else:
+        try:
+            layout.watcher.watch(kept, engine_id)
+            return reply
+        except WatcherStopped as exc:
+            failure = str(exc)
+    try:
+        layout.service.detach(engine_id, failure)
+    except LedgerError as exc:
+        logger.error("could not record engine %r's detach: %s", engine_id, exc)
+    return {"status": msg.ERROR, "reason": f"{failure}; retry the attach"}
+
+
+# --- spawned daemons (engine --weight-cache-mode daemon, standalone launcher) ---------------------
+
+
+def around_spawn_weight_cache_daemon(
+    original_fn: Callable[..., Any],
+    server_args: Any,
+    *,
+    gpu_id: int,
+    tp_rank: int,
+    pp_rank: int,
+    dist_init_method: str,
+) -> Any:
+    """AROUND ``spawn_weight_cache_daemon``: sglang's spawn (daemon.py:690-696), hooked target.
+
+    ``original_fn`` is not called: its only act is ``ctx.Process(target=run_weight_cache_daemon,
+    ...)``, and a spawned child would run that unhooked. The context, arguments and return value
+    are the original's.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(
+        target=run_hooked_weight_cache_daemon,
+        args=(server_args, gpu_id, tp_rank, pp_rank, dist_init_method),
+    )
+    proc.start()
+    return proc
+
+
+def run_hooked_weight_cache_daemon(
+    server_args: Any,
+    gpu_id: int,
+    tp_rank: int,
+    pp_rank: int,
+    dist_init_method: str | None = None,
+) -> None:
+    """A spawned daemon's entry point: install the hooks, then sglang's own entry point."""
+    install_daemon_hooks()
+    from sglang.srt.weight_cache import daemon as daemon_module
+
+    daemon_module.run_weight_cache_daemon(
+        server_args, gpu_id, tp_rank, pp_rank, dist_init_method=dist_init_method
+    )

@@ -1,0 +1,249 @@
+"""A model-less weight cache daemon for tests and demos on a CPU.
+
+    python -m sglang_integration.testing.daemon --socket PATH --ledger PATH \\
+        --num-layers L --num-logical-experts E --num-physical-experts P [--no-record]
+
+runs sglang 0.5.23's real ``WeightCacheDaemon.serve`` loop and ``_handle_connection`` with this
+plugin's hooks (``daemon_hooks``), serving no tensors. Its initial layout is sglang's trivial one
+(``trivial_map``: slot i holds expert i mod E, as ``ExpertLocationMetadata.init_trivial``
+builds it); ``query_config`` returns its ``CacheConfig``, and ``fetch_state`` with that config
+succeeds (``ok``, no entries) when the layout check lets it through. It is ready when the socket
+file exists, and exits 0 on SIGTERM or SIGINT (sglang's own handlers stop the loop; the serve
+hook then ends the ledger incarnation cleanly).
+
+What is skipped, and why (``build_model_less_daemon``):
+
+- ``WeightCacheDaemon.__init__`` (daemon.py:150-190) is not called. It copies fields out of a
+  resolved ``ServerArgs`` (which needs a model directory) and derives the socket path from
+  ``current_platform.get_device_uuid(gpu_id)``, which sglang's generic platform on a CPU does not
+  implement (``NotImplementedError``). The instance is made with ``__new__`` and every attribute
+  ``__init__`` sets is set explicitly below, with the socket path from ``--socket`` and the ready
+  file beside it (``PATH.ready``).
+- ``WeightCacheDaemon.load`` (daemon.py:252-401) is not called: it requires a CUDA-alike
+  platform (its first statement raises otherwise), then loads a model and exports CUDA IPC
+  handles. What it leaves behind for serving is set instead: ``config`` (a ``CacheConfig`` naming
+  this fake model, with sglang's own ``compute_env_stamp``), ``state_entries`` (empty: no
+  tensors), ``transport_backend`` (sglang's ``choose_daemon_transport_backend({})``, i.e.
+  torch_ipc) and ``preloaded_weights_bytes`` (0). The layout side that the load hook opens after
+  ``load`` is opened by the same functions (``open_ledger_record``, ``set_daemon_layout``) with the
+  trivial map, so the only code not run is the load hook's reading of sglang's global
+  ``ExpertLocationMetadata``.
+
+Options beyond the contract: ``--in-memory`` keeps the record in memory (``MemoryRecord``, for
+benchmarks), ``--without-plugin`` runs sglang's daemon with no hook at all (for comparisons with
+sglang 0.5.23's own behaviour), ``--keep-versions`` / ``--prune-every`` set retention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from layout_ledger.errors import LedgerError
+from layout_ledger.layout import Geometry, trivial_map
+from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Ledger, Retention
+from layout_ledger.record import MemoryRecord
+from layout_ledger.service import LayoutService
+
+logger = logging.getLogger(__name__)
+
+MODEL_ARCH = "ModelLessTestDaemon"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_integration.testing.daemon",
+        description="sglang's real WeightCacheDaemon serve loop with the expert layout hooks, "
+        "without a model (for tests and demos on a CPU).",
+    )
+    parser.add_argument("--socket", required=True, help="Unix socket path to serve on")
+    parser.add_argument("--ledger", help="ledger file (required unless --no-record/--in-memory)")
+    parser.add_argument("--num-layers", type=int, required=True)
+    parser.add_argument("--num-logical-experts", type=int, required=True)
+    parser.add_argument("--num-physical-experts", type=int, required=True)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--no-record",
+        action="store_true",
+        help="keep no layout record, like a daemon started without --enable-eplb",
+    )
+    mode.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="keep the record in memory only (benchmark comparison; no ledger)",
+    )
+    mode.add_argument(
+        "--without-plugin",
+        action="store_true",
+        help="run sglang's daemon with no expert layout hook (sglang 0.5.23's own behaviour)",
+    )
+    parser.add_argument("--keep-versions", type=int, default=DEFAULT_KEEP_VERSIONS)
+    parser.add_argument("--prune-every", type=int, default=DEFAULT_PRUNE_EVERY)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    needs_ledger = not (args.no_record or args.in_memory or args.without_plugin)
+    if needs_ledger and not args.ledger:
+        parser.error("--ledger is required (or pass --no-record / --in-memory)")
+    return args
+
+
+def model_less_cache_config(geometry: Geometry) -> dict[str, Any]:
+    """The ``CacheConfig`` fields this daemon states (and that an engine must send back)."""
+    from sglang.srt.weight_cache.protocol import compute_env_stamp
+
+    return {
+        "model_path": (
+            f"model-less:{geometry.num_layers}x{geometry.num_physical_slots}"
+            f"/{geometry.num_logical_experts}"
+        ),
+        "model_arch": MODEL_ARCH,
+        "tp_size": 1,
+        "tp_rank": 0,
+        "pp_size": 1,
+        "pp_rank": 0,
+        "dp_size": 1,
+        "ep_size": 1,
+        "moe_dp_size": 1,
+        "moe_dp_rank": 0,
+        "moe_ep_rank": 0,
+        "attn_dp_size": 1,
+        "enable_dp_lm_head": False,
+        "attn_cp_size": 1,
+        "moe_dense_tp_size": None,
+        "moe_a2a_backend": "none",
+        "quant_method": "",
+        "quant_config_hash": "",
+        "dtype": "torch.bfloat16",
+        "revision": "",
+        **compute_env_stamp(),
+    }
+
+
+def build_model_less_daemon(socket_path: str, cache_config: dict[str, Any]) -> Any:
+    """sglang's ``WeightCacheDaemon`` without ``__init__`` or ``load`` (module docstring)."""
+    from sglang.srt.weight_cache.daemon import WeightCacheDaemon
+    from sglang.srt.weight_cache.protocol import CacheConfig
+    from sglang.srt.weight_cache.transport import choose_daemon_transport_backend
+
+    config = CacheConfig.from_dict(cache_config)
+    daemon = WeightCacheDaemon.__new__(WeightCacheDaemon)
+    # What __init__ sets (daemon.py:158-190), from the stated config instead of ServerArgs.
+    daemon.server_args = None
+    daemon.model_path = config.model_path
+    daemon.gpu_id = 0
+    daemon.tp_size = config.tp_size
+    daemon.tp_rank = config.tp_rank
+    daemon.pp_size = config.pp_size
+    daemon.pp_rank = config.pp_rank
+    daemon.ep_size = config.ep_size
+    daemon.moe_dp_size = config.moe_dp_size
+    daemon.enable_dp_lm_head = config.enable_dp_lm_head
+    daemon.attn_cp_size = config.attn_cp_size
+    daemon.moe_dense_tp_size = config.moe_dense_tp_size
+    daemon.moe_a2a_backend = config.moe_a2a_backend
+    daemon.deepep_mode = None
+    daemon.load_format = None
+    daemon.dtype = config.dtype
+    daemon.quantization = None
+    daemon.model_loader_extra_config = None
+    daemon.trust_remote_code = False
+    daemon.revision = config.revision
+    daemon.dist_init_method = None
+    daemon.socket_path = socket_path
+    daemon.ready_path = f"{socket_path}.ready"
+    daemon.model = None
+    # What load() leaves for serving (daemon.py:329-396): no tensors.
+    daemon.config = config
+    daemon.state_entries = {}
+    daemon.preloaded_weights_bytes = 0
+    daemon.transport_backend = choose_daemon_transport_backend({})
+    return daemon
+
+
+def open_layout_service(
+    args: argparse.Namespace, geometry: Geometry, cache_config: dict[str, Any]
+) -> tuple[LayoutService, Ledger | None]:
+    """The daemon's record as ``--no-record`` / ``--in-memory`` / ``--ledger`` ask."""
+    from sglang_integration.daemon_hooks import config_fingerprint, open_ledger_record
+
+    if args.no_record:
+        return LayoutService(None), None
+    initial_map = trivial_map(
+        geometry.num_layers, geometry.num_physical_slots, geometry.num_logical_experts
+    )
+    if args.in_memory:
+        return LayoutService(MemoryRecord(1, geometry, initial_map)), None
+    ledger, record = open_ledger_record(
+        args.ledger,
+        geometry,
+        initial_map,
+        retention=Retention(keep_versions=args.keep_versions, prune_every=args.prune_every),
+        config_fingerprint=config_fingerprint(cache_config),
+        daemon_label=f"model-less pid={os.getpid()} socket={args.socket}",
+    )
+    return LayoutService(record), ledger
+
+
+def remove_stale_socket(socket_path: str) -> None:
+    """Remove a socket file a killed daemon left behind; refuse one a live daemon serves."""
+    if not os.path.exists(socket_path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(socket_path)
+    except OSError:
+        os.unlink(socket_path)
+        logger.info("removed the stale socket %s", socket_path)
+        return
+    finally:
+        probe.close()
+    raise RuntimeError(f"a daemon is already serving on {socket_path}; stop it first")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
+    )
+    from sglang.srt.utils import kill_itself_when_parent_died
+
+    # As sglang's run_weight_cache_daemon does (daemon.py:642-644): die with the parent.
+    kill_itself_when_parent_died()
+    from sglang_integration.daemon_hooks import install_daemon_hooks, set_daemon_layout
+
+    geometry = Geometry(
+        num_layers=args.num_layers,
+        num_physical_slots=args.num_physical_experts,
+        num_logical_experts=args.num_logical_experts,
+    )
+    cache_config = model_less_cache_config(geometry)
+    daemon = build_model_less_daemon(args.socket, cache_config)
+    if not args.without_plugin:
+        install_daemon_hooks()
+        try:
+            service, ledger = open_layout_service(args, geometry, cache_config)
+        except LedgerError as exc:
+            logger.error("cannot open the expert layout ledger: %s", exc)
+            return 2
+        set_daemon_layout(daemon, service, ledger)
+    try:
+        remove_stale_socket(args.socket)
+        daemon.serve()
+    except BaseException:
+        if not args.without_plugin:
+            from sglang_integration.daemon_hooks import close_daemon_layout
+
+            close_daemon_layout(daemon)
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
