@@ -13,7 +13,7 @@ from pathlib import Path
 from sqlalchemy.exc import DBAPIError
 
 from layout_ledger import reader
-from layout_ledger.errors import LedgerFileError, LedgerStorageError
+from layout_ledger.errors import LedgerFileError, LedgerStorageError, SchemaOutdated
 from layout_ledger.ledger import Ledger
 from layout_ledger.migrate import file_revision, upgrade_to_head
 from layout_ledger.reader import LedgerReader
@@ -143,6 +143,15 @@ def upgrade_ledger(path: str | Path) -> UpgradeResult:
     """Upgrade an existing ledger's schema to ``SCHEMA_HEAD``; refuse a newer one."""
     path = Path(path)
     _require_existing(path)
+    # Read-only first, so a file that is no ledger of ours (not SQLite, another application's
+    # database, a newer schema) is refused before anything touches it: the writer connection
+    # would switch it to WAL and create a lock file beside it.
+    try:
+        LedgerReader(path).close()
+    except SchemaOutdated:
+        pass
+    else:
+        return UpgradeResult(str(path), SCHEMA_HEAD, SCHEMA_HEAD)
     lock = WriterLock(path)
     try:
         engine = open_writer_engine(path)
@@ -150,10 +159,7 @@ def upgrade_ledger(path: str | Path) -> UpgradeResult:
             with engine.connect() as conn:
                 revision = file_revision(conn)
                 if revision is None:
-                    raise LedgerFileError(
-                        f"{path} holds no ledger schema (an empty SQLite file); a daemon "
-                        f"creates its ledger when it starts, there is nothing to upgrade"
-                    )
+                    raise LedgerFileError(f"{path} is an empty SQLite file, not a ledger")
                 if conn.in_transaction():
                     conn.commit()
                 upgrade_to_head(conn, path)

@@ -78,7 +78,8 @@ def render_plot(report: PlotReport) -> str:
     )
     if report.moves is not None:
         moved = sum(move.moved_slots for move in report.moves)
-        text += f"; {len(report.moves)} commits moving {moved} slots in all"
+        commits = "1 commit" if len(report.moves) == 1 else f"{len(report.moves)} commits"
+        text += f"; {commits} moving {moved} slots in all"
     return text
 
 
@@ -93,6 +94,8 @@ def _check_size(width: int, height: int) -> None:
 def _matplotlib() -> tuple[Any, Any, Any]:
     try:
         import matplotlib
+        import matplotlib.colors
+        import matplotlib.ticker
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
@@ -106,8 +109,12 @@ def _matplotlib() -> tuple[Any, Any, Any]:
 def _draw_map(matplotlib: Any, figure: Any, axes: Any, held: HeldMap, ep_size: int) -> None:
     geometry = held.incarnation.geometry
     experts = geometry.num_logical_experts
-    base = "tab20" if experts <= 20 else "turbo"
-    colormap = matplotlib.colormaps[base].resampled(experts)
+    if experts <= 20:  # one distinct qualitative colour per expert
+        palette = matplotlib.colormaps["tab10" if experts <= 10 else "tab20"].colors[:experts]
+        colormap = matplotlib.colors.ListedColormap(palette)
+    else:
+        colormap = matplotlib.colormaps["turbo"].resampled(experts)
+    integer_ticks = matplotlib.ticker.MaxNLocator(integer=True)
     image = axes.imshow(
         held.physical_to_logical_map,
         aspect="auto",
@@ -118,6 +125,10 @@ def _draw_map(matplotlib: Any, figure: Any, axes: Any, held: HeldMap, ep_size: i
     )
     colorbar = figure.colorbar(image, ax=axes, fraction=0.04, pad=0.02)
     colorbar.set_label("logical expert")
+    colorbar.locator = integer_ticks
+    colorbar.update_ticks()
+    axes.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    axes.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes.set_xlabel("physical slot")
     axes.set_ylabel("layer")
     axes.set_title(
@@ -126,8 +137,8 @@ def _draw_map(matplotlib: Any, figure: Any, axes: Any, held: HeldMap, ep_size: i
     )
     local = geometry.num_physical_slots // ep_size
     for rank in range(1, ep_size):
-        axes.axvline(rank * local - 0.5, color="black", linewidth=2.5)
-        axes.axvline(rank * local - 0.5, color="white", linewidth=1)
+        axes.axvline(rank * local - 0.5, color="black", linewidth=3)
+        axes.axvline(rank * local - 0.5, color="white", linewidth=1.2)
     if ep_size > 1:
         top = axes.secondary_xaxis("top")
         top.set_xticks([rank * local + (local - 1) / 2 for rank in range(ep_size)])
@@ -149,7 +160,7 @@ def _draw_moves(axes: Any, moves: tuple[CommitMove, ...], floor: int) -> None:
     times = [datetime.datetime.fromisoformat(move.at) for move in moves]
     counts = [move.moved_slots for move in moves]
     axes.vlines(times, 0, counts, color="tab:blue", linewidth=1.5)
-    axes.plot(times, counts, "o", color="tab:blue")
+    axes.plot(times, counts, "o", color="tab:blue", markersize=5 if len(moves) <= 50 else 2)
     axes.set_ylim(bottom=0, top=max(*counts, 1) * 1.15)
     axes.set_xlabel("commit time (UTC)" + (f"; versions before {floor} pruned" if floor else ""))
     if len(moves) <= 30:
@@ -162,7 +173,9 @@ def _draw_moves(axes: Any, moves: tuple[CommitMove, ...], floor: int) -> None:
                 ha="center",
                 fontsize=7,
             )
-    axes.figure.autofmt_xdate()
+    for label in axes.get_xticklabels():
+        label.set_rotation(30)
+        label.set_horizontalalignment("right")
 
 
 def plot_layout(

@@ -16,8 +16,10 @@ layer count without complaint).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,15 +116,22 @@ def check_export(
             f"--ep-size {ep_size} does not divide the {geometry.num_physical_slots} physical "
             f"slots per layer; pass the EP size the engines run with"
         )
-    # sglang prints to stdout here and there; keep stdout for the command's own output.
+    # sglang prints to stdout here and there, and warns about every GPU-only feature a CPU
+    # lacks: keep stdout for the command's own output and stderr for real problems.
+    sglang_logger = logging.getLogger("sglang")
+    level = sglang_logger.level
+    sglang_logger.setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             model, actual = _metadata_map(export_path, model_path, geometry, ep_size)
     except Exception as exc:  # sglang's own failure, whatever its type, is the check's answer
         raise LedgerError(
             f"sglang could not load {export_path} as --init-expert-location for {model_path}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+    finally:
+        sglang_logger.setLevel(level)
     if model is None:
         detail = f"sglang builds no expert-location metadata for {model_path} (no routed experts)"
         return ExportCheck(str(model_path), ep_size, False, detail)

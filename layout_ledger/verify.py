@@ -96,7 +96,9 @@ def _pragma_check(conn: Connection, pragma: str) -> CheckResult:
         messages = [str(row[0]) for row in rows]
         if messages == ["ok"]:
             return CheckResult(pragma, None, True, "ok")
-        return CheckResult(pragma, None, False, "; ".join(messages[:5]))
+        shown = "; ".join(messages[:3])
+        more = f" (and {len(messages) - 3} more)" if len(messages) > 3 else ""
+        return CheckResult(pragma, None, False, shown + more)
     if not rows:
         return CheckResult(pragma, None, True, "ok")
     table, rowid, parent = rows[0][0], rows[0][1], rows[0][2]

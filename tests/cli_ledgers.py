@@ -7,6 +7,7 @@ timestamp the ledger asks for is 2026-01-01T00:00:00+00:00 plus n seconds. The b
   committed moves, an abort, a busy begin and an attached engine.
 - ``dirty``: an engine detached (EOF) while its move was pending; then two refusals.
 - ``mid_move``: an engine's move is pending.
+- ``refusals``: nothing wrong with the layout, but the daemon refused a request.
 
 ``build`` runs a builder in a child process that then exits without closing anything, as a
 killed daemon would: the incarnation stays unended and the writer lock is released by the
@@ -19,6 +20,7 @@ import contextlib
 import datetime
 import multiprocessing
 import os
+import sqlite3
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -119,10 +121,18 @@ def _mid_move(path: Path) -> None:
     record.begin("engine-a", 1, [0, 1])  # t4
 
 
+def _refusals(path: Path) -> None:
+    ledger = Ledger.open(path)
+    record = start(ledger)  # t0
+    record.attach("engine-a")  # t1
+    record.record_refusal("attach", "engine-a", "engine 'engine-a' is already attached")  # t2
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
     "clean": _clean,
     "dirty": _dirty,
     "mid_move": _mid_move,
+    "refusals": _refusals,
 }
 
 
@@ -163,3 +173,46 @@ def committing_writer(path: str, ready: Any, stop: Any, commits: Any) -> None:
         commits.value = step
         time.sleep(0.002)
     ledger.close()
+
+
+def run_cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    """``layout-ledger ARGV`` in this process: (exit code, stdout, stderr)."""
+    from layout_ledger.cli import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def map_after(moves: tuple[dict[int, list[int]], ...], count: int) -> list[list[int]]:
+    """The map of build_clean's second incarnation after its first ``count`` moves."""
+    the_map = trivial_map(
+        GEOMETRY.num_layers, GEOMETRY.num_physical_slots, GEOMETRY.num_logical_experts
+    )
+    for rows in moves[:count]:
+        for layer, row in rows.items():
+            the_map[layer] = list(row)
+    return the_map
+
+
+def execute(path: Path, *statements: str) -> None:
+    """Change a ledger behind the ledger's back with plain sqlite3 (foreign keys on), and close
+    the connection at once (a lingering one would checkpoint the WAL whenever it is collected)."""
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("PRAGMA foreign_keys=ON")
+        with conn:
+            for statement in statements:
+                conn.execute(statement)
+    finally:
+        conn.close()
+
+
+def query(path: Path, sql: str) -> list[Any]:
+    """Rows of ``sql`` from a read-only connection, closed at once."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
