@@ -194,6 +194,10 @@ class DaemonProcess:
         """SIGTERM (sglang's handler stops the serve loop), then wait; SIGKILL if it hangs."""
         if self.is_alive():
             os.kill(self.pid, signal.SIGTERM)
+            # sglang's handler only clears a flag; the loop sees it after accept() returns,
+            # which a connection makes happen now rather than at its 1 s accept timeout.
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                request(self.socket_path, {"type": "ping"}, timeout=2.0)
         code = self.wait(timeout)
         if self.is_alive():
             self.kill()
