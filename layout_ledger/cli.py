@@ -338,7 +338,7 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
 EPILOG = (
     "exit codes: 0 ok; 1 the command could not do what was asked; 2 bad arguments or no usable "
     "ledger file; 3 (status) dirty; 4 (status) move pending or refusals seen; 5 verify or "
-    "export --check found an inconsistency"
+    "export --check found an inconsistency; 130 interrupted"
 )
 
 
@@ -387,8 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("show", incarnation, version, layers, ep_size)
 
     diff = add("diff", incarnation, layers)
-    diff.add_argument("from_version", type=_non_negative, metavar="V1")
-    diff.add_argument("to_version", type=_non_negative, metavar="V2")
+    diff.add_argument("from_version", type=_non_negative, metavar="V1", help="the version before")
+    diff.add_argument("to_version", type=_non_negative, metavar="V2", help="the version after")
     diff.add_argument("--slots", action="store_true", help="also list every changed slot")
 
     export = add("export", incarnation, version, ep_size)

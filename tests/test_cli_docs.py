@@ -1,0 +1,96 @@
+"""Every command has help text and is documented (docs/cli.md, and the README once merged)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from layout_ledger import exit_codes
+from layout_ledger.cli import COMMANDS, EPILOG, build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI_DOC = ROOT / "docs" / "cli.md"
+README = ROOT / "README.md"
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (action,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_command_is_registered_with_the_parser():
+    assert set(_subparsers()) == set(COMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_and_each_of_its_options_has_help_text(name):
+    parser = _subparsers()[name]
+    assert parser.description and parser.epilog == EPILOG
+    for action in parser._actions:
+        assert action.help and action.help.strip(), f"{name} {action.option_strings or action.dest}"
+    assert "--json" in parser.format_help()
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_is_documented_in_docs_cli_md_with_an_example_and_its_json(name):
+    text = CLI_DOC.read_text()
+    sections = re.split(r"^### ", text, flags=re.MULTILINE)
+    (section,) = (s for s in sections if s.startswith(f"`{name}`"))
+    assert f"$ layout-ledger {name} " in section
+    assert "`--json`" in section
+
+
+def test_every_exit_code_is_documented():
+    text = CLI_DOC.read_text()
+    codes = {
+        value
+        for name, value in vars(exit_codes).items()
+        if name.isupper() and isinstance(value, int)
+    }
+    documented = {int(code) for code in re.findall(r"^\| (\d+) \|", text, flags=re.MULTILINE)}
+    assert documented == codes
+
+
+def _cli_section(document: Path) -> str | None:
+    """A document's command-line section: from a heading naming it to the next heading of the
+    same or a higher level."""
+    lines = document.read_text().splitlines()
+    for start, line in enumerate(lines):
+        match = re.match(r"^(#+) .*((?<![\w-])layout-ledger(?![\w-])|[Cc]ommand line)", line)
+        if match:
+            level = len(match.group(1))
+            end = next(
+                (
+                    n
+                    for n in range(start + 1, len(lines))
+                    if re.match(rf"^#{{1,{level}}} ", lines[n])
+                ),
+                len(lines),
+            )
+            return "\n".join(lines[start:end])
+    return None
+
+
+def _mentions(section: str, name: str) -> bool:
+    return re.search(rf"(layout-ledger {name}\b|`{name}`)", section) is not None
+
+
+def test_docs_cli_md_is_a_section_the_readme_check_recognises_whole():
+    section = _cli_section(CLI_DOC)
+    assert section is not None and section.startswith("## Command line: `layout-ledger`")
+    assert all(_mentions(section, name) for name in COMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_appears_in_the_readme(name):
+    section = _cli_section(README)
+    if section is None:
+        pytest.skip(
+            "README.md has no command-line section yet (a heading naming `layout-ledger` or "
+            "'Command line'); docs/cli.md holds it until it is merged into the README"
+        )
+    assert _mentions(section, name), f"README.md's command-line section lacks {name}"
