@@ -9,7 +9,8 @@ Rules (../shared/DESIGN.md "Engine side", the proposal's "Rebalance" section):
   1. every rank sends begin to its daemon; the ranks all-gather the replies over the world CPU
      group. All ``ok`` -> move. Any ``refused`` (or an error) -> rebalancing is off for good, with
      one warning. Otherwise any ``busy`` -> this rebalance stops and the next interval retries.
-     When not moving, the ranks whose begin succeeded send abort.
+     When not moving, the ranks whose begin succeeded send abort (so do ranks whose begin failed
+     in transport, in case it landed; the refusal of that abort is expected).
   2. the experts move with sglang's ``update_expert_location_with_recovery``, unchanged;
   3. a device synchronize, so the moved bytes have landed before a daemon serves them;
   4. every rank commits the new rows of the chunk's layers; the ranks all-gather the replies and
