@@ -141,6 +141,13 @@ def test_read_commands_send_an_older_ledger_to_upgrade(older_ledger, capsys):
     )
 
 
+def test_prune_sends_an_older_ledger_to_upgrade_instead_of_upgrading_it(older_ledger, capsys):
+    code, out, err = run_cli(capsys, "prune", str(older_ledger), "--keep", "1")
+    assert (code, out) == (exit_codes.UNUSABLE, "")
+    assert "run `layout-ledger upgrade" in err
+    assert revision(older_ledger) == "0001_initial"
+
+
 def test_upgrade_brings_an_older_ledger_to_head_keeping_its_history(older_ledger, capsys):
     before = dump(older_ledger)
     code, out, err = run_cli(capsys, "upgrade", str(older_ledger))

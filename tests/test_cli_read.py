@@ -404,3 +404,24 @@ def test_export_refuses_a_file_name_sglang_would_parse_as_inline_json(ledgers, c
     assert code == exit_codes.FAILED
     assert "name the output file *.json" in err
     assert not output.exists()
+
+
+# --- read-only ------------------------------------------------------------------------------
+
+
+def test_read_commands_change_neither_the_ledger_nor_its_wal(tmp_path, capsys):
+    path = build("dirty", tmp_path / "l.sqlite")
+    files = [path, path.with_name(path.name + "-wal")]
+    before = [f.read_bytes() for f in files]
+    for argv in (
+        ["status"],
+        ["history"],
+        ["show", "--version", "0"],
+        ["diff", "0", "1"],
+        ["export", "-o", str(tmp_path / "x.json")],
+        ["verify"],
+        ["plot", "-o", str(tmp_path / "x.png"), "--moves"],
+    ):
+        code, _, err = run_cli(capsys, argv[0], str(path), *argv[1:])
+        assert code in (exit_codes.OK, exit_codes.DIRTY), err
+    assert [f.read_bytes() for f in files] == before
