@@ -65,6 +65,16 @@ def walk_versions(conn: Connection, inc: Incarnation) -> Iterator[VersionStep]:
     except LedgerStorageError as exc:
         raise WalkInconsistency(str(exc)) from exc
     rows = [_parse_row(slots, inc, layer, floor) for layer, slots in enumerate(row_jsons)]
+    floor_layers = [
+        int(layer)
+        for layer in conn.execute(
+            text(
+                "SELECT layer FROM layout_rows WHERE incarnation_id = :i AND version = :v "
+                "ORDER BY layer"
+            ),
+            {"i": i, "v": floor},
+        ).scalars()
+    ]
     versions = conn.execute(
         text(
             "SELECT version, digest, committed_at, engine_id, layers FROM versions "
@@ -76,39 +86,31 @@ def walk_versions(conn: Connection, inc: Incarnation) -> Iterator[VersionStep]:
         raise WalkInconsistency(
             f"incarnation {i} holds rows from version {floor} but has no versions row for it"
         )
-    later_rows = conn.execute(
-        text(
-            "SELECT layer, version, slots FROM layout_rows "
-            "WHERE incarnation_id = :i AND version > :floor ORDER BY version, layer"
-        ),
-        {"i": i, "floor": floor},
-    ).all()
-    by_version: dict[int, list[Any]] = {}
-    known = {row.version for row in versions}
-    for row in later_rows:
-        if row.version not in known:
-            raise WalkInconsistency(
-                f"incarnation {i} has a row of layer {row.layer} at version {row.version}, "
-                f"which has no versions row"
-            )
-        by_version.setdefault(int(row.version), []).append(row)
+    # The later rows stream in (version, layer) order beside the versions: memory stays
+    # O(layers) however long the history is.
+    later_rows = iter(
+        conn.execute(
+            text(
+                "SELECT layer, version, slots FROM layout_rows "
+                "WHERE incarnation_id = :i AND version > :floor ORDER BY version, layer"
+            ),
+            {"i": i, "floor": floor},
+        )
+    )
+    next_row: Any = next(later_rows, None)
     first = True
     for version_row in versions:
         version = int(version_row.version)
         written: list[int] = []
         moved: int | None = None
         if first:
-            floor_layers = conn.execute(
-                text(
-                    "SELECT layer FROM layout_rows WHERE incarnation_id = :i AND version = :v "
-                    "ORDER BY layer"
-                ),
-                {"i": i, "v": version},
-            ).scalars()
-            written = [int(layer) for layer in floor_layers]
+            written = floor_layers
         else:
             moved = 0
-            for row in by_version.get(version, []):
+            while next_row is not None and next_row.version <= version:
+                row, next_row = next_row, next(later_rows, None)
+                if row.version != version:
+                    raise _orphan(i, row)
                 layer = int(row.layer)
                 if not 0 <= layer < inc.geometry.num_layers:
                     raise WalkInconsistency(
@@ -137,3 +139,12 @@ def walk_versions(conn: Connection, inc: Incarnation) -> Iterator[VersionStep]:
             row_jsons=tuple(row_jsons),
             moved_slots=moved,
         )
+    if next_row is not None:
+        raise _orphan(i, next_row)
+
+
+def _orphan(incarnation_id: int, row: Any) -> WalkInconsistency:
+    return WalkInconsistency(
+        f"incarnation {incarnation_id} has a row of layer {row.layer} at version {row.version}, "
+        f"which has no versions row"
+    )

@@ -196,12 +196,12 @@ def map_after(moves: tuple[dict[int, list[int]], ...], count: int) -> list[list[
     return the_map
 
 
-def execute(path: Path, *statements: str) -> None:
-    """Change a ledger behind the ledger's back with plain sqlite3 (foreign keys on), and close
-    the connection at once (a lingering one would checkpoint the WAL whenever it is collected)."""
+def execute(path: Path, *statements: str, foreign_keys: bool = True) -> None:
+    """Change a ledger behind the ledger's back with plain sqlite3, and close the connection at
+    once (a lingering one would checkpoint the WAL whenever it is collected)."""
     conn = sqlite3.connect(path)
     try:
-        conn.execute("PRAGMA foreign_keys=ON")
+        conn.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
         with conn:
             for statement in statements:
                 conn.execute(statement)

@@ -82,6 +82,28 @@ def test_a_row_outside_the_geometry_is_named(tmp_path, capsys):
     )
 
 
+def test_a_row_of_a_version_the_ledger_does_not_hold_fails_the_foreign_key_check(
+    tmp_path, capsys
+):
+    path = build("clean", tmp_path / "l.sqlite")
+    execute(
+        path,
+        "INSERT INTO layout_rows (incarnation_id, layer, version, slots) "
+        "VALUES (2, 1, 9, '[0,1,2,3,0,1]')",
+        foreign_keys=False,
+    )
+    first = _first_inconsistency(capsys, path)
+    assert first == (
+        "foreign_key_check: 1 rows point at missing parents; first: layout_rows rowid 14 -> "
+        "versions"
+    )
+    _, out, _ = run_cli(capsys, "verify", str(path))
+    assert (
+        "incarnation 2 digests: INCONSISTENT: incarnation 2 has a row of layer 1 at version 9, "
+        "which has no versions row\n"
+    ) in out
+
+
 def test_a_gap_in_the_version_chain_is_named(tmp_path, capsys):
     path = build("clean", tmp_path / "l.sqlite")
     execute(path, "DELETE FROM versions WHERE incarnation_id = 2 AND version = 2")
