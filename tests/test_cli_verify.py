@@ -82,9 +82,7 @@ def test_a_row_outside_the_geometry_is_named(tmp_path, capsys):
     )
 
 
-def test_a_row_of_a_version_the_ledger_does_not_hold_fails_the_foreign_key_check(
-    tmp_path, capsys
-):
+def test_a_row_of_a_version_the_ledger_does_not_hold_fails_the_foreign_key_check(tmp_path, capsys):
     path = build("clean", tmp_path / "l.sqlite")
     execute(
         path,
