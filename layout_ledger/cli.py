@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from layout_ledger import admin, exit_codes, report
 from layout_ledger.errors import (
     LedgerError,
@@ -457,6 +459,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LedgerError as exc:
         _error(args.command, str(exc))
         return exit_codes.FAILED
+    except (SQLAlchemyError, json.JSONDecodeError) as exc:
+        # Rows the reader cannot interpret (a missing version, a row that is not JSON): the
+        # file is damaged; verify names what exactly.
+        _error(
+            args.command,
+            f"the ledger {args.ledger} looks damaged ({type(exc).__name__}: {exc}); run "
+            f"`{PROG} verify {args.ledger}`",
+        )
+        return exit_codes.UNUSABLE
     except KeyboardInterrupt:
         _error(args.command, "interrupted")
         return exit_codes.INTERRUPTED

@@ -104,6 +104,39 @@ def test_an_unusable_file_gives_one_line_and_exit_2_and_stays_as_it_was(
     assert path.exists() == (case != "missing")
 
 
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (
+            "DELETE FROM versions WHERE incarnation_id = 2",
+            "(NoResultFound: No row was found when one was required)",
+        ),
+        (
+            "UPDATE layout_rows SET slots = '[1,2' WHERE version = 3 AND layer = 0",
+            "(JSONDecodeError: Expecting ',' delimiter: line 1 column 5 (char 4))",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["status", "show", "diff", "export", "plot"])
+def test_a_damaged_ledger_gives_one_line_pointing_to_verify(
+    tmp_path, capsys, damage, expected, command
+):
+    path = build("clean", tmp_path / "l.sqlite")
+    execute(path, damage)
+    argv = [command, str(path)] + [a.format(tmp=tmp_path) for a in ARGUMENTS[command]]
+    if command == "diff":
+        argv[2:4] = ["2", "3"]
+    code, out, err = run_cli(capsys, *argv)
+    if command == "status" and "JSON" in expected:
+        assert code == exit_codes.OK  # status reads no row's slots
+        return
+    assert (code, out) == (exit_codes.UNUSABLE, "")
+    assert err == (
+        f"layout-ledger {command}: error: the ledger {path} looks damaged {expected}; run "
+        f"`layout-ledger verify {path}`\n"
+    )
+
+
 BAD_ARGUMENTS = [
     ([], "the following arguments are required: COMMAND"),
     (["frobnicate", "x"], "argument COMMAND: invalid choice: 'frobnicate'"),
