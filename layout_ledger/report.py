@@ -439,8 +439,10 @@ def render_history(report: HistoryReport) -> str:
 def format_physical_to_logical_map(
     physical_to_logical_map: Map, ep_size: int, layer_ids: Sequence[int] | None = None
 ) -> str:
-    """The text of sglang's ``format_physical_to_logical_map`` (eplb/expert_location.py), which
-    ``format_expert_location_layout`` returns, reproduced without importing sglang or torch."""
+    """The text of sglang 0.5.23's ``format_physical_to_logical_map``
+    (sglang/srt/eplb/expert_location.py:425), which ``format_expert_location_layout`` (:377)
+    returns, reproduced without importing sglang or torch; tests/test_cli_sglang.py compares
+    the two on the same maps."""
     if ep_size < 1:
         raise LedgerError(f"--ep-size must be at least 1, got {ep_size}")
     num_layers = len(physical_to_logical_map)
@@ -631,7 +633,7 @@ def render_diff(report: DiffReport, *, slots: bool = False) -> str:
 # --- export -------------------------------------------------------------------------------
 
 # sglang reads --init-expert-location as a file only when the name ends in .json (or .pt);
-# any other value is parsed as inline JSON (compute_initial_expert_location_metadata).
+# any other value is parsed as inline JSON (sglang/srt/eplb/expert_location.py:775-780).
 EXPORT_SUFFIX = ".json"
 
 
@@ -659,7 +661,8 @@ class ExportReport:
 
 def init_expert_location_text(physical_to_logical_map: Map) -> str:
     """The file ``--init-expert-location`` reads: one key (sglang passes every key of the file
-    to ``ExpertLocationMetadata.init_by_mapping`` as a keyword), one layer per line."""
+    to ``ExpertLocationMetadata.init_by_mapping`` as a keyword, expert_location.py:786-790),
+    one layer per line."""
     rows = ",\n".join(
         "    " + json.dumps(row, separators=(",", ":")) for row in physical_to_logical_map
     )

@@ -81,13 +81,25 @@ def test_status_of_a_dirty_ledger_names_engine_layers_and_base_version_and_exits
 
 def test_status_of_a_ledger_mid_move_shows_the_pending_move_and_exits_4(ledgers, capsys):
     path = ledgers["mid_move"]
-    code, out, _ = run_cli(capsys, "status", str(path))
-    assert code == exit_codes.PENDING_OR_REFUSALS
-    lines = out.splitlines()
-    assert lines[7] == (
-        f"pending move:        engine 'engine-a', layers 0-1, from version 1, since {at(4)}"
+    code, out, err = run_cli(capsys, "status", str(path))
+    assert (code, err) == (exit_codes.PENDING_OR_REFUSALS, "")
+    moved = [list(row) for row in INITIAL]
+    moved[0] = [1, 0, 2, 3, 0, 1]
+    assert out == (
+        f"ledger:              {path}\n"
+        f"incarnation:         1 of 1 (started {at(0)}, running)\n"
+        "geometry:            4 layers x 6 physical slots, 4 logical experts\n"
+        "version:             1\n"
+        f"digest:              {layout_digest(moved)}\n"
+        "history held:        versions 0..1\n"
+        "dirty:               no\n"
+        f"pending move:        engine 'engine-a', layers 0-1, from version 1, since {at(4)}\n"
+        "attached:            engine-a\n"
+        "non-following fetch: no\n"
+        "refusals:            0\n"
+        f"last event:          {at(4)} begin engine-a\n"
+        "state:               pending\n"
     )
-    assert lines[-1] == "state:               pending"
 
 
 def test_status_exits_4_when_the_daemon_refused_requests_in_a_clean_layout(ledgers, capsys):
@@ -275,6 +287,34 @@ def test_show_with_an_ep_size_that_does_not_divide_the_slots_prints_whole_rows(l
         "physical_to_logical_map num_layers=4 num_physical_experts=6 ep_size=4\n"
         "layer=1: physical=[0,1,3,2,0,1]\n"
     )
+
+
+def test_show_of_a_ledger_mid_move_prints_the_last_committed_map(ledgers, capsys):
+    code, out, _ = run_cli(capsys, "show", str(ledgers["mid_move"]), "--ep-size", "2")
+    assert code == exit_codes.OK
+    assert out == (
+        "physical_to_logical_map num_layers=4 num_physical_experts=6 ep_size=2\n"
+        "layer=0: ep0=[1,0,2] ep1=[3,0,1]\n"
+        "layer=1: ep0=[0,1,2] ep1=[3,0,1]\n"
+        "layer=2: ep0=[0,1,2] ep1=[3,0,1]\n"
+        "layer=3: ep0=[0,1,2] ep1=[3,0,1]\n"
+    )
+
+
+def test_history_of_the_dirty_ledger_ends_with_the_dirty_mark_and_the_refusals(ledgers, capsys):
+    code, out, _ = run_cli(capsys, "history", str(ledgers["dirty"]), "--last", "4")
+    assert code == exit_codes.OK
+    reason = (
+        "engine 'engine-a' detached while its move of layers [2, 3] from version 1 was pending, "
+        "so the weights of those layers may be half-moved; restart the daemon (it reloads the "
+        "weights from disk) and the engines that use it"
+    )
+    assert out.splitlines() == [
+        f"{at(5)}  inc=1  #6  detach engine=engine-a  (attach connection closed (EOF))",
+        f"{at(5)}  inc=1  #7  dirty engine=engine-a layers=2-3 base=1  ({reason})",
+        f"{at(6)}  inc=1  #8  fetch_refused engine=engine-b version=1  (dirty)",
+        f"{at(7)}  inc=1  #9  begin_refused engine=engine-b version=1  (dirty)",
+    ]
 
 
 def test_show_json_holds_each_layers_slots_and_the_versions_digest(ledgers, capsys):
