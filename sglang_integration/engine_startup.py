@@ -106,6 +106,13 @@ def current_session() -> EngineLayoutSession | None:
     return _ThisRank.session
 
 
+def close_session() -> None:
+    """Detach from the daemon now and forget the session (an engine detaches by exiting)."""
+    session, _ThisRank.session = _ThisRank.session, None
+    if session is not None and session.attachment is not None:
+        session.attachment.close()
+
+
 def around_maybe_init_expert_location_metadata(
     original_fn: Callable[[Any], Any], runner: Any
 ) -> None:

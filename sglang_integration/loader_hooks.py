@@ -1,6 +1,6 @@
 """The ``IpcModelLoader`` hooks: declare the engine's layout on ``fetch_state``, obey refusals.
 
-Register (three lines in the plugin), all ``HookType.AROUND``::
+Register (the three pairs of ``HOOKS``), all ``HookType.AROUND``::
 
     FETCH_TARGET -> around_fetch_from_cache
     SEND_TARGET  -> around_send_msg
@@ -129,3 +129,11 @@ def around_recv_msg(original_fn: Callable[..., Any], sock: Any, *args: Any, **kw
             f"to serve its weights to this engine's expert layout: {reason}"
         )
     return reply
+
+
+# (dotted target, AROUND hook body) for the plugin to register.
+HOOKS = (
+    (FETCH_TARGET, around_fetch_from_cache),
+    (SEND_TARGET, around_send_msg),
+    (RECV_TARGET, around_recv_msg),
+)

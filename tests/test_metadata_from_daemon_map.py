@@ -10,19 +10,20 @@ every field of ``ExpertLocationMetadata`` tensor by tensor (dtype, shape, device
 - the engine's initial metadata after ``expert_metadata.adopt_map`` (in place) vs the same.
 
 The same processes check the shape rule and the ``--enable-eplb`` rule. Fresh processes keep
-sglang's environment changes (``import sglang``, ``publish``) out of the test runner.
+sglang's environment changes (``import sglang``, ``publish``) out of the test runner (they fork
+from the forkserver of tests/test_engine_startup_hook.py, which has imported sglang once).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_engine_startup_hook import sglang_context
 from test_updater_shared_experts import SGLANG_QUIET_ENV, write_tiny_moe_config
 
 NUM_LAYERS = 3
@@ -206,7 +207,7 @@ def _run_report(tmp_path: Path, model_dir: Path) -> dict[str, Any]:
     map_file.write_text(
         json.dumps({"physical_to_logical_map": moved_map(NUM_LAYERS, NUM_SLOTS, NUM_LOGICAL)})
     )
-    context = multiprocessing.get_context("spawn")
+    context = sglang_context()
     results = context.Queue()
     process = context.Process(
         target=_report_for_model, args=(str(model_dir), str(map_file), results)

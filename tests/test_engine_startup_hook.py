@@ -1,0 +1,655 @@
+"""The startup hook on sglang's real ``ModelRunner.maybe_init_expert_location_metadata``.
+
+Engine ranks are fresh processes with real ``ServerArgs`` + ``publish``, a real ``ModelConfig``
+from a tiny ``config.json`` (no weights) and sglang's real world group on gloo. The hooks are
+installed through sglang's ``HookRegistry`` exactly as the plugin does, and the ranks call the
+real (hooked) method. The one stand-in: the ``ModelRunner`` instance itself is a namespace with
+the three attributes the method and the hook read (``is_draft_worker``, ``model_config``,
+``gpu_id``), because constructing a real ``ModelRunner`` allocates GPU memory.
+
+Processes come from a forkserver that has imported sglang once (``sglang_context``), so a rank
+or a daemon starts in about a second instead of paying sglang's ~12 s import each time; each
+child still publishes its own config, and nothing of sglang runs in the pytest process.
+
+The helpers at the top (``sglang_context``, ``EngineRanks``, ``older_daemon``, the config
+writers) are also used by the other tests/test_engine_*.py and tests/test_loader_*.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import types
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_updater_shared_experts import SGLANG_QUIET_ENV, free_port, write_tiny_moe_config
+
+from layout_ledger import messages
+from layout_ledger.layout import layout_digest, trivial_map
+
+NUM_LAYERS = 3
+NUM_LOGICAL = 8
+NUM_REDUNDANT = 2
+NUM_SLOTS = NUM_LOGICAL + NUM_REDUNDANT
+
+_PRELOAD = [
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.weight_cache.daemon",
+    "sglang.srt.weight_cache.ipc_loader",
+    "sglang.srt.server_args",
+    "sglang_integration.engine_startup",
+    "sglang_integration.loader_hooks",
+    "sglang_integration.expert_metadata",
+]
+
+
+def sglang_context() -> Any:
+    """A forkserver context whose server has imported sglang (started once per test run)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    saved = {key: os.environ.get(key) for key in SGLANG_QUIET_ENV}
+    os.environ.update(SGLANG_QUIET_ENV)  # the server reads these while it imports
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return context
+
+
+def write_tiny_dense_config(directory: Path) -> Path:
+    """A dense Qwen3 ``config.json``: a model without expert-location metadata."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "vocab_size": 64,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+# --- sglang's own daemon without the plugin, and scripted peers --------------------------------
+
+# A CacheConfig the older daemon states; tests that fetch weights pass the engine's own.
+PLACEHOLDER_CACHE_CONFIG = {
+    "model_path": "/nonexistent/model",
+    "model_arch": "Qwen3MoeForCausalLM",
+    "tp_size": 1,
+    "tp_rank": 0,
+    "pp_size": 1,
+    "pp_rank": 0,
+    "dp_size": 1,
+    "ep_size": 1,
+    "moe_dp_size": 1,
+    "moe_dp_rank": 0,
+    "moe_ep_rank": 0,
+    "attn_dp_size": 1,
+    "enable_dp_lm_head": False,
+    "attn_cp_size": 1,
+    "moe_dense_tp_size": None,
+    "moe_a2a_backend": "none",
+    "quant_method": "",
+    "quant_config_hash": "",
+    "dtype": "torch.bfloat16",
+    "revision": "",
+    "device_capability": "",
+    "torch_version": "",
+}
+
+
+@contextlib.contextmanager
+def scripted_peer(path: Path, handle: Any) -> Iterator[list[socket.socket]]:
+    """A listener on a real Unix socket that runs ``handle(conn)`` for each connection."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(4)
+    kept: list[socket.socket] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            kept.append(conn)
+            handle(conn)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield kept
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in kept:
+            conn.close()
+        server.close()
+
+
+def _serve_older_daemon(socket_path: str, cache_config: dict[str, Any]) -> None:
+    """sglang 0.5.23's WeightCacheDaemon serve loop and request handler, no plugin, until SIGTERM.
+
+    ``__init__`` only copies ServerArgs fields and asks the platform for the device uuid (which
+    the base platform here cannot answer); ``serve`` and ``_handle_connection`` read only the
+    attributes set below. ``load()`` needs CUDA, so the daemon holds no tensors.
+    """
+    from sglang.srt.weight_cache.daemon import WeightCacheDaemon
+    from sglang.srt.weight_cache.protocol import CacheConfig
+    from sglang.srt.weight_cache.transport import choose_daemon_transport_backend
+
+    daemon = WeightCacheDaemon.__new__(WeightCacheDaemon)
+    daemon.gpu_id = 0
+    daemon.socket_path = socket_path
+    daemon.ready_path = socket_path + ".ready"
+    daemon.config = CacheConfig.from_dict(cache_config)
+    daemon.state_entries = {}
+    daemon.preloaded_weights_bytes = 0
+    daemon.transport_backend = choose_daemon_transport_backend({})
+    daemon.serve()
+
+
+@contextlib.contextmanager
+def older_daemon(socket_path: Path, cache_config: dict[str, Any] | None = None) -> Iterator[str]:
+    """Run sglang's own daemon (no plugin) at ``socket_path`` until the block ends."""
+    process = sglang_context().Process(
+        target=_serve_older_daemon,
+        args=(str(socket_path), cache_config or PLACEHOLDER_CACHE_CONFIG),
+    )
+    process.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not socket_path.exists():
+            if not process.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the older daemon did not start (exit {process.exitcode})")
+            time.sleep(0.05)
+        yield str(socket_path)
+    finally:
+        _stop(process)
+
+
+def _stop(process: Any) -> None:
+    if process.pid is not None and process.is_alive():
+        os.kill(process.pid, signal.SIGTERM)
+    process.join(10)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+# --- engine ranks -----------------------------------------------------------------------------
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.levelname, record.getMessage()))
+
+
+def _server_args(scenario: dict[str, Any], rank: int, world_size: int) -> Any:
+    from sglang.srt.server_args import ServerArgs
+
+    fields: dict[str, Any] = {
+        "model_path": scenario["model_dir"],
+        "device": "cpu",
+        "tp_size": world_size,
+        "ep_size": world_size,
+        "enable_eplb": world_size > 1,
+        "ep_num_redundant_experts": NUM_REDUNDANT,
+        "skip_tokenizer_init": True,
+        **scenario.get("args", {}),
+    }
+    sockets = scenario.get("sockets")
+    if sockets is not None:
+        fields["weight_cache_socket"] = sockets[rank]
+    return ServerArgs(**fields)
+
+
+class _RecordingDiskLoader:
+    """Stands in for DefaultModelLoader on the disk fallback: there are no weights to read."""
+
+    def __init__(self, load_config: Any) -> None:
+        pass
+
+    def load_model(self, *, model_config: Any, device_config: Any) -> Any:
+        return "loaded-from-disk"
+
+
+def _fetch(scenario: dict[str, Any], rank: int, model_config: Any) -> dict[str, Any]:
+    """The IPC loader (real class, hooked) on this rank's socket."""
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.weight_cache.ipc_loader import IpcModelLoader
+
+    from sglang_integration.weight_source import weight_source
+
+    how = scenario["fetch"]
+    loader = IpcModelLoader(
+        LoadConfig(),
+        socket_path=scenario["sockets"][rank],
+        fallback_loader_cls=_RecordingDiskLoader,
+        weight_cache_mode="client",
+    )
+    device_config = DeviceConfig("cpu", 0)
+    outcome: dict[str, Any] = {}
+    try:
+        if how == "load_model":
+            outcome["result"] = repr(
+                loader.load_model(model_config=model_config, device_config=device_config)
+            )
+        else:
+            served = loader._fetch_from_cache(model_config, device_config)
+            outcome["result"] = None if served is None else served.get("status")
+    except Exception as exc:
+        outcome["error"] = f"{type(exc).__name__}: {exc}"
+    source = weight_source()
+    outcome["weight_source"] = None if source is None else source.value
+    return outcome
+
+
+def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture: _Capture) -> Any:
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.runtime_context import SpawnRanks, get_resources, publish
+
+    from sglang_integration import engine_startup, weight_source
+    from sglang_integration.expert_metadata import map_of
+
+    engine_startup.close_session()
+    weight_source._ThisRank.source = None
+    get_resources().expert_location_metadata = None
+    for key, value in scenario.get("env", {}).items():
+        os.environ[key] = value
+    capture.records.clear()
+    args = _server_args(scenario, rank, world_size)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
+    model_config = ModelConfig.from_server_args(args)
+    runner = types.SimpleNamespace(
+        is_draft_worker=scenario.get("is_draft_worker", False),
+        model_config=model_config,
+        gpu_id=0,
+    )
+    report: dict[str, Any] = {"rank": rank}
+    started = time.monotonic()
+    try:
+        ModelRunner.maybe_init_expert_location_metadata(runner)
+        report["error"] = None
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    report["seconds"] = time.monotonic() - started
+    metadata = get_global_expert_location_metadata()
+    report["map"] = None if metadata is None else map_of(metadata)
+    session = engine_startup.current_session()
+    report["session"] = (
+        None
+        if session is None
+        else {
+            "engine_id": session.engine_id,
+            "finding": session.finding.value,
+            "attached": session.attached,
+            "version": session.version,
+            "digest": session.digest,
+        }
+    )
+    if scenario.get("fetch") and report["error"] is None:
+        report["fetch"] = _fetch(scenario, rank, model_config)
+    report["logs"] = [
+        (level, text)
+        for level, text in capture.records
+        if level in ("WARNING", "ERROR") or "expert layout" in text
+    ]
+    for key in scenario.get("env", {}):
+        os.environ.pop(key, None)
+    return report
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, model_dir: str, commands: Any, results: Any
+) -> None:
+    os.environ.update(SGLANG_QUIET_ENV)
+    from sglang.srt.distributed.parallel_state import init_distributed_environment
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.runtime_context import SpawnRanks, publish
+
+    from sglang_integration import engine_startup, loader_hooks
+
+    capture = _Capture()
+    logging.getLogger("sglang_integration").addHandler(capture)
+    logging.getLogger("sglang_integration").setLevel(logging.INFO)
+    base = _server_args({"model_dir": model_dir}, rank, world_size)
+    publish(base, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
+    init_distributed_environment(
+        backend="gloo",
+        world_size=world_size,
+        rank=rank,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        local_rank=rank,
+    )
+    HookRegistry.register(
+        engine_startup.HOOK_TARGET,
+        engine_startup.around_maybe_init_expert_location_metadata,
+        HookType.AROUND,
+    )
+    for target, hook in loader_hooks.HOOKS:
+        HookRegistry.register(target, hook, HookType.AROUND)
+    HookRegistry.apply_hooks()
+    results.put(("ready", rank))
+    while True:
+        scenario = commands.get()
+        if scenario is None:
+            return
+        results.put(("report", _run_scenario(scenario, rank, world_size, capture)))
+
+
+class EngineRanks:
+    """``world_size`` engine rank processes that run scenarios on command, all at once."""
+
+    def __init__(self, world_size: int, model_dir: Path) -> None:
+        self.world_size = world_size
+        context = sglang_context()
+        self._results = context.Queue()
+        self._commands = [context.Queue() for _ in range(world_size)]
+        port = free_port()
+        self._processes = [
+            context.Process(
+                target=_rank_main,
+                args=(rank, world_size, port, str(model_dir), self._commands[rank], self._results),
+            )
+            for rank in range(world_size)
+        ]
+
+    def __enter__(self) -> EngineRanks:
+        for process in self._processes:
+            process.start()
+        ready = [self._get(90) for _ in range(self.world_size)]
+        assert sorted(rank for _, rank in ready) == list(range(self.world_size))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for command in self._commands:
+            command.put(None)
+        for process in self._processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+    def _get(self, timeout: float) -> Any:
+        try:
+            return self._results.get(timeout=timeout)
+        except queue.Empty:
+            dead = [p.exitcode for p in self._processes]
+            raise AssertionError(f"an engine rank did not answer (exit codes {dead})") from None
+
+    def run(self, scenario: dict[str, Any], timeout: float = 120) -> list[dict[str, Any]]:
+        """Run ``scenario`` on every rank; return each rank's report, by rank."""
+        for command in self._commands:
+            command.put(scenario)
+        reports = [self._get(timeout)[1] for _ in range(self.world_size)]
+        return sorted(reports, key=lambda report: report["rank"])
+
+
+def warnings_of(report: dict[str, Any]) -> list[str]:
+    return [text for level, text in report["logs"] if level == "WARNING"]
+
+
+# --- single-rank tests ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "moe": write_tiny_moe_config(root / "moe", NUM_LAYERS, NUM_LOGICAL),
+        "dense": write_tiny_dense_config(root / "dense"),
+    }
+
+
+@pytest.fixture(scope="module")
+def one_rank(models: dict[str, Path]) -> Iterator[EngineRanks]:
+    with EngineRanks(1, models["moe"]) as ranks:
+        yield ranks
+
+
+INITIAL = trivial_map(NUM_LAYERS, NUM_SLOTS, NUM_LOGICAL)
+
+
+def _counting_peer(path: Path) -> Any:
+    connections: list[int] = []
+    return connections, scripted_peer(path, lambda conn: connections.append(1))
+
+
+@pytest.mark.timeout(180)
+def test_weight_cache_off_runs_the_original_untouched(
+    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
+) -> None:
+    connections, peer = _counting_peer(tmp_path / "d.sock")
+    with peer:
+        (report,) = one_rank.run(
+            {
+                "model_dir": str(models["moe"]),
+                "args": {"weight_cache_mode": "off"},
+                "sockets": [str(tmp_path / "d.sock")],
+            }
+        )
+    assert report["error"] is None
+    assert report["map"] == INITIAL
+    assert report["session"] is None
+    assert connections == []
+
+
+@pytest.mark.timeout(180)
+def test_a_dense_model_with_the_weight_cache_on_is_untouched(
+    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
+) -> None:
+    connections, peer = _counting_peer(tmp_path / "d.sock")
+    with peer:
+        (report,) = one_rank.run(
+            {
+                "model_dir": str(models["dense"]),
+                "args": {"weight_cache_mode": "client", "ep_num_redundant_experts": 0},
+                "sockets": [str(tmp_path / "d.sock")],
+            }
+        )
+    assert report["error"] is None
+    assert report["map"] is None
+    assert report["session"] is None
+    assert connections == []
+
+
+@pytest.mark.timeout(180)
+def test_a_draft_worker_is_untouched(
+    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
+) -> None:
+    connections, peer = _counting_peer(tmp_path / "d.sock")
+    with peer:
+        (report,) = one_rank.run(
+            {
+                "model_dir": str(models["moe"]),
+                "args": {"weight_cache_mode": "client"},
+                "sockets": [str(tmp_path / "d.sock")],
+                "is_draft_worker": True,
+            }
+        )
+    assert report["error"] is None
+    assert report["session"] is None
+    assert connections == []
+
+
+@pytest.mark.timeout(180)
+def test_without_a_daemon_socket_the_engine_keeps_its_initial_layout(
+    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
+) -> None:
+    (report,) = one_rank.run(
+        {
+            "model_dir": str(models["moe"]),
+            "args": {"weight_cache_mode": "client"},
+            "sockets": [str(tmp_path / "absent.sock")],
+        }
+    )
+    assert report["error"] is None
+    assert report["map"] == INITIAL
+    assert report["session"]["finding"] == "no_daemon"
+    assert report["session"]["attached"] is False
+    assert report["session"]["version"] == 0
+    assert report["session"]["digest"] == layout_digest(INITIAL)
+    assert warnings_of(report) == []
+
+
+@pytest.mark.timeout(180)
+def test_an_older_daemon_starts_the_engine_on_its_own_layout_with_one_warning(
+    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
+) -> None:
+    with older_daemon(tmp_path / "older.sock") as path:
+        (report,) = one_rank.run(
+            {
+                "model_dir": str(models["moe"]),
+                "args": {"weight_cache_mode": "client"},
+                "sockets": [path],
+            }
+        )
+    assert report["error"] is None
+    assert report["map"] == INITIAL
+    assert report["session"]["finding"] == "older_daemon"
+    assert report["session"]["attached"] is False
+    (warning,) = warnings_of(report)
+    assert "keep no expert layout record" in warning
+    assert "older_daemon: Unknown request type: expert_layout_attach" in warning
+    assert "will not be rebalanced" in warning
+
+
+def _refusing_daemon(requests: list[dict[str, Any]], reason: str) -> Any:
+    """Answers attach as sglang's daemon does (unknown type) and refuses the weights' fetch."""
+
+    def handle(conn: socket.socket) -> None:
+        from sglang.srt.weight_cache.protocol import recv_msg, send_msg
+
+        request = recv_msg(conn)
+        requests.append(request)
+        if request.get("type") == messages.FETCH_STATE:
+            send_msg(conn, {"status": messages.LAYOUT_REFUSED, "reason": reason})
+        else:
+            send_msg(
+                conn, {"status": "error", "message": f"Unknown request type: {request['type']}"}
+            )
+
+    return handle
+
+
+REFUSAL = (
+    "the daemon's experts have moved (version 3); this engine routes with digest "
+    "0123456789ab, not the daemon's; upgrade the engine or restart the daemon"
+)
+
+
+@pytest.mark.timeout(180)
+def test_the_loader_sends_the_layout_field_and_raises_the_daemons_refusal_without_disk_fallback(
+    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
+) -> None:
+    requests: list[dict[str, Any]] = []
+    path = tmp_path / "refusing.sock"
+    with scripted_peer(path, _refusing_daemon(requests, REFUSAL)):
+        (report,) = one_rank.run(
+            {
+                "model_dir": str(models["moe"]),
+                "args": {"weight_cache_mode": "client"},
+                "sockets": [str(path)],
+                "fetch": "load_model",
+            }
+        )
+    assert report["error"] is None
+    fetches = [r for r in requests if r.get("type") == messages.FETCH_STATE]
+    assert len(fetches) == 1
+    assert fetches[0][messages.FETCH_LAYOUT_FIELD] == {
+        "engine_id": None,  # the daemon did not accept an attach
+        "version": 0,
+        "digest": layout_digest(INITIAL),
+    }
+    assert report["fetch"]["error"] == (
+        f"LayoutRefusedError: [IpcModelLoader] The weight cache daemon at {path} refused to "
+        f"serve its weights to this engine's expert layout: {REFUSAL}"
+    )
+    assert "result" not in report["fetch"]  # _RecordingDiskLoader never ran
+    assert report["fetch"]["weight_source"] is None
+
+
+@pytest.mark.timeout(180)
+def test_an_older_daemon_serves_a_fetch_that_carries_the_layout_field(
+    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
+) -> None:
+    # The engine's own CacheConfig, as its loader sends it, so the older daemon's check passes.
+    requests: list[dict[str, Any]] = []
+    with scripted_peer(tmp_path / "capture.sock", _refusing_daemon(requests, "capture")):
+        one_rank.run(
+            {
+                "model_dir": str(models["moe"]),
+                "args": {"weight_cache_mode": "client"},
+                "sockets": [str(tmp_path / "capture.sock")],
+                "fetch": "fetch",
+            }
+        )
+    (fetch,) = [r for r in requests if r.get("type") == messages.FETCH_STATE]
+    with older_daemon(tmp_path / "older.sock", cache_config=fetch["config"]) as path:
+        (report,) = one_rank.run(
+            {
+                "model_dir": str(models["moe"]),
+                "args": {"weight_cache_mode": "client"},
+                "sockets": [path],
+                "fetch": "fetch",
+            }
+        )
+    assert report["error"] is None
+    assert report["fetch"] == {"result": "ok", "weight_source": "daemon"}
+
+
+@pytest.mark.timeout(180)
+def test_the_loader_records_disk_when_no_daemon_socket_exists(
+    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
+) -> None:
+    (report,) = one_rank.run(
+        {
+            "model_dir": str(models["moe"]),
+            "args": {"weight_cache_mode": "client"},
+            "sockets": [str(tmp_path / "absent.sock")],
+            "fetch": "load_model",
+        }
+    )
+    assert report["fetch"] == {"result": "'loaded-from-disk'", "weight_source": "disk"}
+
+
+def assert_same_on_every_rank(reports: Sequence[dict[str, Any]], key: str) -> Any:
+    values = [report[key] for report in reports]
+    assert all(value == values[0] for value in values), values
+    return values[0]
