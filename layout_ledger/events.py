@@ -20,6 +20,21 @@ BEGIN_BUSY = "begin_busy"
 REFUSED_SUFFIX = "_refused"
 REFUSABLE_VERBS = ("attach", "begin", "commit", "abort", "fetch")
 
+ALL_KINDS: tuple[str, ...] = (
+    START,
+    END,
+    ATTACH,
+    DETACH,
+    BEGIN,
+    COMMIT,
+    ABORT,
+    DIRTY,
+    NON_FOLLOWING_FETCH,
+    PRUNE,
+    BEGIN_BUSY,
+    *(verb + REFUSED_SUFFIX for verb in REFUSABLE_VERBS),
+)
+
 # Kinds that end a pending move.
 MOVE_ENDING_KINDS = (COMMIT, ABORT, DIRTY)
 

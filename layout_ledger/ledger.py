@@ -27,7 +27,7 @@ from layout_ledger import maintenance, reader, schema
 from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.layout import Geometry, Map, layout_digest, validate_map
 from layout_ledger.maintenance import CheckpointResult, Maintenance
-from layout_ledger.migrate import upgrade_to_head
+from layout_ledger.migrate import check_ledger_or_empty, upgrade_to_head
 from layout_ledger.record import LayoutRecord
 from layout_ledger.state import utc_now
 from layout_ledger.storage import WriterLock, open_writer_engine
@@ -73,6 +73,7 @@ class Ledger:
         self.path = path
         self.retention = retention
         self._lock = threading.RLock()
+        check_ledger_or_empty(path)
         self._writer_lock = WriterLock(path)
         try:
             self._engine = open_writer_engine(path)

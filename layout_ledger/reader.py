@@ -89,7 +89,12 @@ def current_version(conn: Connection, incarnation_id: int) -> tuple[int, str]:
             "ORDER BY version DESC LIMIT 1"
         ),
         {"i": incarnation_id},
-    ).one()
+    ).first()
+    if row is None:
+        raise LedgerStorageError(
+            f"incarnation {incarnation_id} has no version rows (not even version 0); the ledger "
+            f"is damaged, run `layout-ledger verify`"
+        )
     return int(row.version), str(row.digest)
 
 

@@ -32,20 +32,7 @@ from layout_ledger.state import DirtyMark, PendingMove
 JsonObject = dict[str, Any]
 
 # Every event kind the ledger writes (history --kind accepts exactly these).
-EVENT_KINDS: tuple[str, ...] = (
-    ev.START,
-    ev.END,
-    ev.ATTACH,
-    ev.DETACH,
-    ev.BEGIN,
-    ev.COMMIT,
-    ev.ABORT,
-    ev.DIRTY,
-    ev.NON_FOLLOWING_FETCH,
-    ev.PRUNE,
-    ev.BEGIN_BUSY,
-    *(ev.refused_kind(verb) for verb in ev.REFUSABLE_VERBS),
-)
+EVENT_KINDS: tuple[str, ...] = ev.ALL_KINDS
 
 
 # --- small shared pieces ------------------------------------------------------------------

@@ -109,7 +109,8 @@ def test_an_unusable_file_gives_one_line_and_exit_2_and_stays_as_it_was(
     [
         (
             "DELETE FROM versions WHERE incarnation_id = 2",
-            "(NoResultFound: No row was found when one was required)",
+            "incarnation 2 has no version rows (not even version 0); the ledger is damaged, run "
+            "`layout-ledger verify`",
         ),
         (
             "UPDATE layout_rows SET slots = '[1,2' WHERE version = 3 AND layer = 0",
@@ -131,10 +132,9 @@ def test_a_damaged_ledger_gives_one_line_pointing_to_verify(
         assert code == exit_codes.OK  # status reads no row's slots
         return
     assert (code, out) == (exit_codes.UNUSABLE, "")
-    assert err == (
-        f"layout-ledger {command}: error: the ledger {path} looks damaged {expected}; run "
-        f"`layout-ledger verify {path}`\n"
-    )
+    if expected.startswith("("):  # a driver-level failure the CLI wraps
+        expected = f"the ledger {path} looks damaged {expected}; run `layout-ledger verify {path}`"
+    assert err == f"layout-ledger {command}: error: {expected}\n"
 
 
 BAD_ARGUMENTS = [

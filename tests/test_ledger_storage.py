@@ -175,3 +175,18 @@ def test_a_read_only_opener_never_creates_or_changes_the_file(tmp_path):
     with LedgerReader(path) as reader:
         assert reader.state().version == 0
     assert path.read_bytes() == before
+
+
+def test_another_applications_sqlite_file_is_refused_without_being_changed(tmp_path):
+    path = tmp_path / "app.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE notes (body TEXT)")
+        conn.execute("INSERT INTO notes VALUES ('keep me')")
+    before = path.read_bytes()
+    with pytest.raises(
+        LedgerFileError, match=r"holds tables \(notes\) but is not an expert layout"
+    ):
+        open_ledger(path)
+    assert path.read_bytes() == before
+    assert not (tmp_path / "app.sqlite.lock").exists()
+    assert not (tmp_path / "app.sqlite-wal").exists()
