@@ -137,7 +137,8 @@ def _describe(describe: Any) -> str:
 # --- model-less daemons --------------------------------------------------------------------------
 
 
-def _redirect_output(log_path: str) -> None:
+def redirect_output(log_path: str) -> None:
+    """Send this process's stdout and stderr (and its children's) to ``log_path``."""
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
@@ -148,7 +149,7 @@ def _redirect_output(log_path: str) -> None:
 
 def _run_model_less_daemon(argv: list[str], log_path: str) -> None:
     """Forkserver child: the model-less daemon's ``main``, output to ``log_path``."""
-    _redirect_output(log_path)
+    redirect_output(log_path)
     from sglang_integration.testing import daemon
 
     raise SystemExit(daemon.main(argv))

@@ -1,0 +1,108 @@
+"""Where a daemon's ledger lives and how much it keeps: template, env var, launcher flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Retention
+from sglang_integration import ledger_paths
+from sglang_integration.daemon import add_ledger_args
+from sglang_integration.ledger_paths import LedgerSettingError
+
+SOCKET_ENV = "SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"
+
+
+NAMES = (
+    SOCKET_ENV,
+    ledger_paths.LEDGER_TEMPLATE_ENV,
+    ledger_paths.KEEP_VERSIONS_ENV,
+    ledger_paths.PRUNE_EVERY_ENV,
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env() -> Iterator[None]:
+    """None of the settings set; whatever a test (or export_settings) sets is undone."""
+    saved = {name: os.environ.pop(name, None) for name in NAMES}
+    yield
+    for name, value in saved.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+
+
+def test_the_default_ledger_lies_beside_sglangs_default_socket() -> None:
+    assert ledger_paths.socket_template() == "/tmp/sglang_weight_cache_{device_uuid}.sock"
+    assert ledger_paths.ledger_path("GPU-1234") == "/tmp/sglang_expert_layout_GPU-1234.sqlite"
+
+
+def test_the_ledger_follows_a_moved_socket_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SOCKET_ENV, "/run/wc/{device_uuid}/daemon.sock")
+    assert ledger_paths.ledger_path("GPU-9") == "/run/wc/GPU-9/sglang_expert_layout_GPU-9.sqlite"
+
+
+def test_the_env_var_overrides_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SOCKET_ENV, "/run/wc/{device_uuid}.sock")
+    monkeypatch.setenv(ledger_paths.LEDGER_TEMPLATE_ENV, "/var/lib/ledgers/{device_uuid}.db")
+    assert ledger_paths.ledger_path("GPU-9") == "/var/lib/ledgers/GPU-9.db"
+
+
+def test_the_launcher_flag_overrides_the_env_var_for_this_process_and_its_children(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ledger_paths.LEDGER_TEMPLATE_ENV, "/from/env/{device_uuid}.db")
+    parser = argparse.ArgumentParser()
+    add_ledger_args(parser)
+    args, rest = parser.parse_known_args(
+        [
+            "--model-path",
+            "m",
+            "--expert-layout-ledger",
+            "/from/flag/{device_uuid}.db",
+            "--expert-layout-keep-versions",
+            "7",
+            "--expert-layout-prune-every",
+            "3",
+        ]
+    )
+    assert rest == ["--model-path", "m"]  # everything else goes to sglang's parser
+    ledger_paths.export_settings(
+        args.expert_layout_ledger, args.expert_layout_keep_versions, args.expert_layout_prune_every
+    )
+    assert ledger_paths.ledger_path("GPU-1") == "/from/flag/GPU-1.db"
+    assert ledger_paths.retention_from_env() == Retention(keep_versions=7, prune_every=3)
+
+
+@pytest.mark.parametrize(
+    ("template", "why"),
+    [
+        ("/var/lib/ledger.sqlite", "must contain '{device_uuid}'"),
+        ("/var/{gpu}/{device_uuid}.db", "placeholder other than"),
+        ("/var/{0}/{device_uuid}.db", "placeholder other than"),
+    ],
+)
+def test_a_template_without_the_device_placeholder_or_with_another_is_refused(
+    template: str, why: str
+) -> None:
+    with pytest.raises(LedgerSettingError, match=why.replace("{", r"\{").replace("}", r"\}")):
+        ledger_paths.ledger_path("GPU-1", template)
+    with pytest.raises(LedgerSettingError):
+        ledger_paths.export_settings(template)
+
+
+def test_retention_defaults_to_the_ledger_librarys_and_rejects_nonsense(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert ledger_paths.retention_from_env() == Retention(
+        keep_versions=DEFAULT_KEEP_VERSIONS, prune_every=DEFAULT_PRUNE_EVERY
+    )
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv(ledger_paths.KEEP_VERSIONS_ENV, bad)
+        with pytest.raises(LedgerSettingError, match=ledger_paths.KEEP_VERSIONS_ENV):
+            ledger_paths.retention_from_env()
+    with pytest.raises(LedgerSettingError):
+        ledger_paths.export_settings(prune_every=0)
