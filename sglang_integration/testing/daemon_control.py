@@ -194,7 +194,8 @@ class DaemonProcess:
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (sglang's handler stops the serve loop), then wait; SIGKILL if it hangs."""
         if self.is_alive():
-            os.kill(self.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                os.kill(self.pid, signal.SIGTERM)
             # sglang's handler only clears a flag; the loop sees it after accept() returns,
             # which a connection makes happen now rather than at its 1 s accept timeout.
             with contextlib.suppress(OSError, EOFError, ValueError):
@@ -208,7 +209,8 @@ class DaemonProcess:
     def kill(self) -> None:
         """SIGKILL: a daemon crash (no clean end of its ledger incarnation)."""
         if self.is_alive():
-            os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                os.kill(self.pid, signal.SIGKILL)
         self.wait(30.0)
 
     def log(self) -> str:
@@ -300,6 +302,13 @@ def start_daemon(
         handle.kill()
         raise
     return handle
+
+
+def _signal(process: BaseProcess, signum: int) -> None:
+    """Signal a still-running process (the forkserver reaps its children, so it may be gone)."""
+    if process.pid is not None and process.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signum)
 
 
 # --- engine-side stand-ins -----------------------------------------------------------------------
@@ -406,8 +415,7 @@ class EngineStandIn:
 
     def kill(self) -> None:
         """SIGKILL the engine process (the kernel closes its attach connection)."""
-        if self.process.is_alive():
-            os.kill(self.pid, signal.SIGKILL)
+        _signal(self.process, signal.SIGKILL)
         self.process.join(30)
         self._close()
 
