@@ -5,7 +5,9 @@ from a tiny ``config.json`` (no weights) and sglang's real world group on gloo. 
 installed through sglang's ``HookRegistry`` exactly as the plugin does, and the ranks call the
 real (hooked) method. The one stand-in: the ``ModelRunner`` instance itself is a namespace with
 the three attributes the method and the hook read (``is_draft_worker``, ``model_config``,
-``gpu_id``), because constructing a real ``ModelRunner`` allocates GPU memory.
+``gpu_id``), because constructing a real ``ModelRunner`` allocates GPU memory; and the expert
+distribution recorder that the original method builds allocates its counters on the CPU
+instead of the accelerator (see ``_rank_main``).
 
 Processes come from a forkserver that has imported sglang once (``sglang_context``), so a rank
 or a daemon starts in about a second instead of paying sglang's ~12 s import each time; each
@@ -28,6 +30,7 @@ import signal
 import socket
 import threading
 import time
+import traceback
 import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -44,21 +47,26 @@ NUM_LOGICAL = 8
 NUM_REDUNDANT = 2
 NUM_SLOTS = NUM_LOGICAL + NUM_REDUNDANT
 
-_PRELOAD = [
+# Beyond what the daemon helpers preload: the engine side. One forkserver serves every test, so
+# whichever helper starts it first must preload both lists.
+ENGINE_PRELOAD = (
     "sglang.srt.model_executor.model_runner",
-    "sglang.srt.weight_cache.daemon",
     "sglang.srt.weight_cache.ipc_loader",
     "sglang.srt.server_args",
+    "sglang.srt.configs.model_config",
+    "sglang.srt.models.registry",  # imports every model module: the first arch lookup
     "sglang_integration.engine_startup",
     "sglang_integration.loader_hooks",
     "sglang_integration.expert_metadata",
-]
+)
 
 
 def sglang_context() -> Any:
-    """A forkserver context whose server has imported sglang (started once per test run)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
+    """The forkserver context of ``daemon_control``, its server preloading the engine side too."""
+    from sglang_integration.testing.daemon_control import PRELOAD_MODULES, process_context
+
+    context = process_context()
+    context.set_forkserver_preload([*PRELOAD_MODULES, *ENGINE_PRELOAD])
     saved = {key: os.environ.get(key) for key in SGLANG_QUIET_ENV}
     os.environ.update(SGLANG_QUIET_ENV)  # the server reads these while it imports
     try:
@@ -308,6 +316,7 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
         report["error"] = None
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()
     report["seconds"] = time.monotonic() - started
     metadata = get_global_expert_location_metadata()
     report["map"] = None if metadata is None else map_of(metadata)
@@ -325,31 +334,34 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     )
     if scenario.get("fetch") and report["error"] is None:
         report["fetch"] = _fetch(scenario, rank, model_config)
-    report["logs"] = [
-        (level, text)
-        for level, text in capture.records
-        if level in ("WARNING", "ERROR") or "expert layout" in text
-    ]
+    report["logs"] = list(capture.records)
     for key in scenario.get("env", {}):
         os.environ.pop(key, None)
     return report
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, model_dir: str, commands: Any, results: Any
+    rank: int, world_size: int, port: int, base: dict[str, Any], commands: Any, results: Any
 ) -> None:
     os.environ.update(SGLANG_QUIET_ENV)
     from sglang.srt.distributed.parallel_state import init_distributed_environment
+
+    # The one GPU stand-in below the ModelRunner: with --enable-eplb, the original method builds
+    # sglang's expert distribution recorder, whose gatherers allocate their counters on the
+    # accelerator that sglang.srt.utils.get_device names (utils/common.py:1122-1126 raises on a
+    # machine without one). Here the CPU is that accelerator.
+    from sglang.srt.eplb import expert_distribution
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.runtime_context import SpawnRanks, publish
 
     from sglang_integration import engine_startup, loader_hooks
 
+    expert_distribution.get_device = lambda device_id=None: "cpu"
     capture = _Capture()
     logging.getLogger("sglang_integration").addHandler(capture)
     logging.getLogger("sglang_integration").setLevel(logging.INFO)
-    base = _server_args({"model_dir": model_dir}, rank, world_size)
-    publish(base, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
+    base_args = _server_args(base, rank, world_size)
+    publish(base_args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
     init_distributed_environment(
         backend="gloo",
         world_size=world_size,
@@ -376,8 +388,9 @@ def _rank_main(
 class EngineRanks:
     """``world_size`` engine rank processes that run scenarios on command, all at once."""
 
-    def __init__(self, world_size: int, model_dir: Path) -> None:
+    def __init__(self, world_size: int, model_dir: Path, **args: Any) -> None:
         self.world_size = world_size
+        base = {"model_dir": str(model_dir), "args": args}
         context = sglang_context()
         self._results = context.Queue()
         self._commands = [context.Queue() for _ in range(world_size)]
@@ -385,7 +398,7 @@ class EngineRanks:
         self._processes = [
             context.Process(
                 target=_rank_main,
-                args=(rank, world_size, port, str(model_dir), self._commands[rank], self._results),
+                args=(rank, world_size, port, base, self._commands[rank], self._results),
             )
             for rank in range(world_size)
         ]
@@ -413,12 +426,19 @@ class EngineRanks:
             dead = [p.exitcode for p in self._processes]
             raise AssertionError(f"an engine rank did not answer (exit codes {dead})") from None
 
-    def run(self, scenario: dict[str, Any], timeout: float = 120) -> list[dict[str, Any]]:
-        """Run ``scenario`` on every rank; return each rank's report, by rank."""
+    def start(self, scenario: dict[str, Any]) -> None:
+        """Start ``scenario`` on every rank; ``collect`` the reports."""
         for command in self._commands:
             command.put(scenario)
+
+    def collect(self, timeout: float = 120) -> list[dict[str, Any]]:
         reports = [self._get(timeout)[1] for _ in range(self.world_size)]
         return sorted(reports, key=lambda report: report["rank"])
+
+    def run(self, scenario: dict[str, Any], timeout: float = 120) -> list[dict[str, Any]]:
+        """Run ``scenario`` on every rank; return each rank's report, by rank."""
+        self.start(scenario)
+        return self.collect(timeout)
 
 
 def warnings_of(report: dict[str, Any]) -> list[str]:
