@@ -10,7 +10,6 @@ daemon's CUDA-IPC tensors. The parent process, which never imports sglang, reads
 
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from test_updater_shared_experts import (
     NUM_LOGICAL,
     NUM_REDUNDANT,
     SHAPE,
+    engine_process_context,
     free_port,
     start_cpu_engine_rank,
     write_tiny_moe_config,
@@ -152,7 +152,7 @@ def start_engine(target: Any, tmp_path: Path, *args: Any) -> tuple[list[Any], An
     initial = trivial_map(NUM_LAYERS, SHAPE.num_physical_slots, NUM_LOGICAL)
     for rank in range(EP_SIZE):
         create_shared_experts(expert_dir, rank, SHAPE, initial)
-    context = multiprocessing.get_context("spawn")
+    context = engine_process_context()
     results = context.Queue()
     port = free_port()
     processes = [

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +31,7 @@ from test_updater_shared_experts import (
     NUM_LAYERS,
     NUM_LOGICAL,
     SHAPE,
+    engine_process_context,
     free_port,
     write_tiny_moe_config,
 )
@@ -106,9 +107,7 @@ def _daemon_engine_rank(
     results: Any,
 ) -> None:
     """Engine A's rank: start on its daemon, then per phase wait for the parent and rebalance."""
-    from sglang_integration import client
     from sglang_integration.engine_startup import current_session
-    from sglang_integration.rebalance import rebalance_state
 
     records = _LogRecords()
     logging.getLogger("sglang_integration.rebalance").addHandler(records)
@@ -123,44 +122,66 @@ def _daemon_engine_rank(
     )
     engine_id = current_session().engine_id
     for phase, rebalances in plan:
-        event = phase_events.get(phase)
-        if event is not None and not event.wait(120):
-            raise RuntimeError(f"the parent never started phase {phase}")
-        # The daemon sees another engine's EOF on its own thread; wait until it has.
+        try:
+            report = _run_phase(
+                rank, phase, rebalances, manager, model, sockets, engine_id, phase_events, records
+            )
+        except Exception:
+            results.put({"rank": rank, "phase": phase, "error": traceback.format_exc()})
+            raise
+        results.put(report)
+
+
+def _run_phase(
+    rank: int,
+    phase: str,
+    rebalances: int,
+    manager: Any,
+    model: Any,
+    sockets: list[str],
+    engine_id: str,
+    phase_events: dict[str, Any],
+    records: _LogRecords,
+) -> dict[str, Any]:
+    from sglang_integration import client
+    from sglang_integration.rebalance import rebalance_state
+
+    event = phase_events.get(phase)
+    if event is not None and not event.wait(120):
+        raise RuntimeError(f"the parent never started phase {phase}")
+    if phase == "resumed":
+        # The daemon sees the standby's EOF on its own thread; wait until it has.
         deadline = time.monotonic() + 30
-        while phase == "resumed" and time.monotonic() < deadline:
-            layout = client.query(sockets[rank]).layout
-            if layout is not None and list(layout.attached) == [engine_id]:
-                break
+        while list(client.query(sockets[rank]).layout.attached) != [engine_id]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the daemon did not detach the standby within 30 s")
             time.sleep(0.05)
-        records.lines.clear()
-        run_rebalances(manager, rebalances)
-        state = rebalance_state(manager)
-        layout = client.query(sockets[rank]).layout
-        results.put(
-            {
-                "rank": rank,
-                "phase": phase,
-                "engine_id": engine_id,
-                "mode": state.mode.value if state.mode else None,
-                "version": state.version,
-                "stopped": state.stopped_reason,
-                "paused": state.rebalances_paused,
-                "routed": routed_map(),
-                "matching": model.experts.count_matching_slots(routed_map()),
-                "daemon": None
-                if layout is None
-                else {
-                    "version": layout.version,
-                    "digest": layout.digest,
-                    "map": layout.physical_to_logical_map,
-                    "pending": layout.pending,
-                    "attached": list(layout.attached),
-                    "dirty": layout.dirty,
-                },
-                "logs": list(records.lines),
-            }
-        )
+    records.lines.clear()
+    run_rebalances(manager, rebalances)
+    state = rebalance_state(manager)
+    layout = client.query(sockets[rank]).layout
+    return {
+        "rank": rank,
+        "phase": phase,
+        "engine_id": engine_id,
+        "mode": state.mode.value if state.mode else None,
+        "version": state.version,
+        "stopped": state.stopped_reason,
+        "paused": state.rebalances_paused,
+        "routed": routed_map(),
+        "matching": model.experts.count_matching_slots(routed_map()),
+        "daemon": None
+        if layout is None
+        else {
+            "version": layout.version,
+            "digest": layout.digest,
+            "map": layout.physical_to_logical_map,
+            "pending": layout.pending,
+            "attached": list(layout.attached),
+            "dirty": layout.dirty,
+        },
+        "logs": list(records.lines),
+    }
 
 
 @dataclass
@@ -180,7 +201,7 @@ def engine_on_daemons(
     expert_dir = tmp_path / "experts"
     for rank in range(EP_SIZE):
         create_shared_experts(expert_dir, rank, SHAPE, INITIAL)
-    context = multiprocessing.get_context("spawn")
+    context = engine_process_context()
     results = context.Queue()
     phase_events = {phase: context.Event() for phase, _ in plan[1:]}
     port = free_port()
@@ -216,6 +237,10 @@ def engine_on_daemons(
 def take_phase(results: Any, phase: str, into: dict[tuple[str, int], dict[str, Any]]) -> None:
     for _ in range(EP_SIZE):
         report = results.get(timeout=200)
+        if "error" in report:
+            raise AssertionError(
+                f"rank {report['rank']} failed in phase {phase}:\n{report['error']}"
+            )
         if report["phase"] != phase:
             raise AssertionError(f"expected phase {phase}, got {report['phase']}")
         into[(phase, report["rank"])] = report
@@ -232,6 +257,7 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Story]:
     """Engine A alone rebalances; standby C on rank 1's daemon only; C leaves; an older engine
     fetches from rank 0's daemon (its begins are refused from then on); one more rebalance."""
     tmp_path = tmp_path_factory.mktemp("story")
+    engine_process_context()  # start the sglang forkserver before the daemons use it
     daemons = [start_layout_daemon(tmp_path, f"daemon{rank}") for rank in range(EP_SIZE)]
     sockets = [Path(daemon.socket_path) for daemon in daemons]
     reports: dict[tuple[str, int], dict[str, Any]] = {}
@@ -385,6 +411,7 @@ def _lying_proxy(listen_path: str, upstream_path: str, ready: Any) -> None:
 def test_a_daemon_reporting_a_wrong_digest_stops_rebalancing_with_a_restart_error(
     tmp_path: Path,
 ) -> None:
+    engine_process_context()  # start the sglang forkserver before the daemons use it
     daemons = [start_layout_daemon(tmp_path, f"daemon{rank}") for rank in range(EP_SIZE)]
     context = process_context()
     ready = context.Event()

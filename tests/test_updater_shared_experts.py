@@ -7,14 +7,13 @@ computes from skewed synthetic loads, once plainly and once with
 ``SGLANG_EXPERT_LOCATION_UPDATER_CANARY=1``. A third process that mapped the same memory before
 the moves, and never imports sglang, must see every slot hold the expert the final map names.
 
-The helpers at the top (``write_tiny_moe_config``, ``start_cpu_engine_rank``, ``free_port``)
-are also used by tests/test_rebalance_*.py.
+The helpers at the top (``write_tiny_moe_config``, ``engine_process_context``,
+``start_cpu_engine_rank``, ``free_port``) are also used by tests/test_rebalance_*.py.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import socket
 from pathlib import Path
@@ -73,6 +72,15 @@ def write_tiny_moe_config(directory: Path, num_layers: int, num_experts: int) ->
     }
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def engine_process_context() -> Any:
+    """Engine rank processes fork from the forkserver that has imported sglang once
+    (``sglang_context`` of tests/test_engine_startup_hook.py): each still publishes its own
+    config, and nothing of sglang runs in the pytest process."""
+    from test_engine_startup_hook import sglang_context
+
+    return sglang_context()
 
 
 def free_port() -> int:
@@ -185,7 +193,7 @@ def test_real_updater_moves_shared_memory_experts_and_a_third_process_sees_the_n
     for rank in range(EP_SIZE):
         create_shared_experts(expert_dir, rank, SHAPE, initial)
 
-    context = multiprocessing.get_context("spawn")
+    context = engine_process_context()
     results = context.Queue()
     ready, go = context.Event(), context.Event()
     observer = context.Process(target=_observer, args=(str(expert_dir), ready, go, results))
