@@ -106,3 +106,15 @@ def test_retention_defaults_to_the_ledger_librarys_and_rejects_nonsense(
             ledger_paths.retention_from_env()
     with pytest.raises(LedgerSettingError):
         ledger_paths.export_settings(prune_every=0)
+
+
+def test_the_launcher_refuses_a_bad_ledger_template_before_starting_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from sglang_integration.daemon import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model-path", "m", "--expert-layout-ledger", "/var/lib/one-ledger.sqlite"])
+    assert exit_info.value.code == 2
+    assert "must contain '{device_uuid}'" in capsys.readouterr().err
+    assert ledger_paths.LEDGER_TEMPLATE_ENV not in os.environ
