@@ -72,7 +72,9 @@ def alternating_maps() -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     return shifted, dict(enumerate(initial))
 
 
-def round_trip_ms(daemon: DaemonProcess, engine_id: str, version: int, rows: dict) -> float:
+def round_trip_ms(
+    daemon: DaemonProcess, engine_id: str, version: int, rows: dict[int, list[int]]
+) -> float:
     layers = list(range(LAYERS))
     start = time.perf_counter()
     begin = client.begin(daemon.socket_path, engine_id, version, layers)
@@ -84,14 +86,22 @@ def round_trip_ms(daemon: DaemonProcess, engine_id: str, version: int, rows: dic
 
 
 def bench_round_trips(directory: Path, rounds: int, warmup: int) -> dict[str, list[float]]:
-    geometry = {
-        "num_layers": LAYERS,
-        "num_physical_experts": PHYSICAL,
-        "num_logical_experts": LOGICAL,
-    }
     daemons = {
-        "ledger (SQLite, durable)": start_daemon(directory, "ledger", **geometry),
-        "in-memory record": start_daemon(directory, "memory", record="memory", **geometry),
+        "ledger (SQLite, durable)": start_daemon(
+            directory,
+            "ledger",
+            num_layers=LAYERS,
+            num_physical_experts=PHYSICAL,
+            num_logical_experts=LOGICAL,
+        ),
+        "in-memory record": start_daemon(
+            directory,
+            "memory",
+            num_layers=LAYERS,
+            num_physical_experts=PHYSICAL,
+            num_logical_experts=LOGICAL,
+            record="memory",
+        ),
     }
     maps = alternating_maps()
     times: dict[str, list[float]] = {name: [] for name in daemons}

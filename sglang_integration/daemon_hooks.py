@@ -121,18 +121,6 @@ def install_daemon_hooks() -> None:
     logger.info("expert layout hooks installed on sglang's WeightCacheDaemon")
 
 
-def daemon_hooks_applied() -> bool:
-    """True when ``WeightCacheDaemon._handle_connection`` runs through this module's hook."""
-    from sglang.srt.weight_cache.daemon import WeightCacheDaemon
-
-    handler = WeightCacheDaemon._handle_connection
-    while handler is not None:
-        if getattr(handler, "__module__", None) == __name__ or handler is around_handle_connection:
-            return True
-        handler = getattr(handler, "__wrapped__", None)
-    return False
-
-
 # --- the layout side of a daemon ----------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -62,9 +62,11 @@ START_TIMEOUT = 90.0
 REQUEST_TIMEOUT = 30.0
 
 
-def process_context() -> BaseContext:
+def process_context() -> ForkServerContext:
     """The forkserver context (its server preloads ``PRELOAD_MODULES`` when it first starts)."""
     context = multiprocessing.get_context("forkserver")
+    if not isinstance(context, ForkServerContext):
+        raise RuntimeError("this platform has no multiprocessing forkserver")
     context.set_forkserver_preload(list(PRELOAD_MODULES))
     return context
 
