@@ -32,14 +32,13 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_updater_shared_experts import SGLANG_QUIET_ENV, free_port, write_tiny_moe_config
 
-from layout_ledger import messages
 from layout_ledger.layout import layout_digest, trivial_map
 
 NUM_LAYERS = 3
@@ -255,7 +254,15 @@ class _RecordingDiskLoader:
 
 
 def _fetch(scenario: dict[str, Any], rank: int, model_config: Any) -> dict[str, Any]:
-    """The IPC loader (real class, hooked) on this rank's socket."""
+    """The IPC loader (real class, hooked) on this rank's socket.
+
+    ``scenario["fetch"]``: ``fetch`` calls ``_fetch_from_cache``, ``load_model`` the whole
+    ``load_model`` (mapping served tensors needs the model-parallel groups, so it is used where
+    the fetch is refused or falls back to disk). ``older_fetch`` / ``older_load_model`` do the
+    same with a loader without the plugin's fetch hook (sglang 0.5.23's own
+    ``_fetch_from_cache``, kept by the hook as ``__wrapped__``; the send/recv hooks then pass
+    everything through, as without the plugin).
+    """
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.weight_cache.ipc_loader import IpcModelLoader
@@ -263,7 +270,14 @@ def _fetch(scenario: dict[str, Any], rank: int, model_config: Any) -> dict[str, 
     from sglang_integration.weight_source import weight_source
 
     how = scenario["fetch"]
-    loader = IpcModelLoader(
+    loader_class = IpcModelLoader
+    if how.startswith("older_"):
+        loader_class = type(
+            "OlderIpcModelLoader",
+            (IpcModelLoader,),
+            {"_fetch_from_cache": IpcModelLoader._fetch_from_cache.__wrapped__},
+        )
+    loader = loader_class(
         LoadConfig(),
         socket_path=scenario["sockets"][rank],
         fallback_loader_cls=_RecordingDiskLoader,
@@ -272,7 +286,7 @@ def _fetch(scenario: dict[str, Any], rank: int, model_config: Any) -> dict[str, 
     device_config = DeviceConfig("cpu", 0)
     outcome: dict[str, Any] = {}
     try:
-        if how == "load_model":
+        if how.endswith("load_model"):
             outcome["result"] = repr(
                 loader.load_model(model_config=model_config, device_config=device_config)
             )
@@ -311,8 +325,11 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     )
     report: dict[str, Any] = {"rank": rank}
     started = time.monotonic()
+    method = ModelRunner.maybe_init_expert_location_metadata
+    if scenario.get("startup") == "original":
+        method = method.__wrapped__  # sglang's own method, without the startup hook
     try:
-        ModelRunner.maybe_init_expert_location_metadata(runner)
+        method(runner)
         report["error"] = None
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
@@ -568,108 +585,3 @@ def test_an_older_daemon_starts_the_engine_on_its_own_layout_with_one_warning(
     assert "keep no expert layout record" in warning
     assert "older_daemon: Unknown request type: expert_layout_attach" in warning
     assert "will not be rebalanced" in warning
-
-
-def _refusing_daemon(requests: list[dict[str, Any]], reason: str) -> Any:
-    """Answers attach as sglang's daemon does (unknown type) and refuses the weights' fetch."""
-
-    def handle(conn: socket.socket) -> None:
-        from sglang.srt.weight_cache.protocol import recv_msg, send_msg
-
-        request = recv_msg(conn)
-        requests.append(request)
-        if request.get("type") == messages.FETCH_STATE:
-            send_msg(conn, {"status": messages.LAYOUT_REFUSED, "reason": reason})
-        else:
-            send_msg(
-                conn, {"status": "error", "message": f"Unknown request type: {request['type']}"}
-            )
-
-    return handle
-
-
-REFUSAL = (
-    "the daemon's experts have moved (version 3); this engine routes with digest "
-    "0123456789ab, not the daemon's; upgrade the engine or restart the daemon"
-)
-
-
-@pytest.mark.timeout(180)
-def test_the_loader_sends_the_layout_field_and_raises_the_daemons_refusal_without_disk_fallback(
-    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
-) -> None:
-    requests: list[dict[str, Any]] = []
-    path = tmp_path / "refusing.sock"
-    with scripted_peer(path, _refusing_daemon(requests, REFUSAL)):
-        (report,) = one_rank.run(
-            {
-                "model_dir": str(models["moe"]),
-                "args": {"weight_cache_mode": "client"},
-                "sockets": [str(path)],
-                "fetch": "load_model",
-            }
-        )
-    assert report["error"] is None
-    fetches = [r for r in requests if r.get("type") == messages.FETCH_STATE]
-    assert len(fetches) == 1
-    assert fetches[0][messages.FETCH_LAYOUT_FIELD] == {
-        "engine_id": None,  # the daemon did not accept an attach
-        "version": 0,
-        "digest": layout_digest(INITIAL),
-    }
-    assert report["fetch"]["error"] == (
-        f"LayoutRefusedError: [IpcModelLoader] The weight cache daemon at {path} refused to "
-        f"serve its weights to this engine's expert layout: {REFUSAL}"
-    )
-    assert "result" not in report["fetch"]  # _RecordingDiskLoader never ran
-    assert report["fetch"]["weight_source"] is None
-
-
-@pytest.mark.timeout(180)
-def test_an_older_daemon_serves_a_fetch_that_carries_the_layout_field(
-    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
-) -> None:
-    # The engine's own CacheConfig, as its loader sends it, so the older daemon's check passes.
-    requests: list[dict[str, Any]] = []
-    with scripted_peer(tmp_path / "capture.sock", _refusing_daemon(requests, "capture")):
-        one_rank.run(
-            {
-                "model_dir": str(models["moe"]),
-                "args": {"weight_cache_mode": "client"},
-                "sockets": [str(tmp_path / "capture.sock")],
-                "fetch": "fetch",
-            }
-        )
-    (fetch,) = [r for r in requests if r.get("type") == messages.FETCH_STATE]
-    with older_daemon(tmp_path / "older.sock", cache_config=fetch["config"]) as path:
-        (report,) = one_rank.run(
-            {
-                "model_dir": str(models["moe"]),
-                "args": {"weight_cache_mode": "client"},
-                "sockets": [path],
-                "fetch": "fetch",
-            }
-        )
-    assert report["error"] is None
-    assert report["fetch"] == {"result": "ok", "weight_source": "daemon"}
-
-
-@pytest.mark.timeout(180)
-def test_the_loader_records_disk_when_no_daemon_socket_exists(
-    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
-) -> None:
-    (report,) = one_rank.run(
-        {
-            "model_dir": str(models["moe"]),
-            "args": {"weight_cache_mode": "client"},
-            "sockets": [str(tmp_path / "absent.sock")],
-            "fetch": "load_model",
-        }
-    )
-    assert report["fetch"] == {"result": "'loaded-from-disk'", "weight_source": "disk"}
-
-
-def assert_same_on_every_rank(reports: Sequence[dict[str, Any]], key: str) -> Any:
-    values = [report[key] for report in reports]
-    assert all(value == values[0] for value in values), values
-    return values[0]
