@@ -10,6 +10,7 @@ daemon concluded.
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,3 +181,43 @@ def test_killing_one_engine_leaves_the_other_engines_attached(daemon: DaemonProc
     finally:
         for engine in engines:
             engine.kill()
+
+
+def test_a_kill_racing_its_own_commit_leaves_memory_and_ledger_in_the_same_state(
+    tmp_path: Path,
+) -> None:
+    """The serve loop (commit) and the watcher thread (detach) race; either may win, but the
+    daemon's answers and the ledger's rows must describe the same state every time."""
+    outcomes = set()
+    for attempt in range(8):
+        daemon = start_daemon(
+            tmp_path / f"race-{attempt}",
+            num_layers=LAYERS,
+            num_logical_experts=LOGICAL,
+            num_physical_experts=PHYSICAL,
+        )
+        try:
+            engine = EngineStandIn.start(daemon.socket_path, "engine-racing")
+            assert engine.begin(0, [0, 1]).ok
+            # The kill's teardown takes the engine process some milliseconds; commits sent
+            # 0-35 ms after the kill land on both sides of its EOF.
+            committer = threading.Timer(
+                attempt * 0.005,
+                client.commit,
+                args=(daemon.socket_path, "engine-racing", {0: MOVED_ROW, 1: MOVED_ROW}),
+            )
+            committer.start()
+            engine.kill()
+            committer.join(30)
+            state = wait_detached(daemon, "engine-racing")
+            with LedgerReader(daemon.ledger_path) as reader:
+                on_disk = reader.state()
+            assert (on_disk.version, on_disk.digest) == (state["version"], state["digest"])
+            assert on_disk.physical_to_logical_map == state["physical_to_logical_map"]
+            assert (on_disk.dirty is not None) == state["dirty"]
+            assert on_disk.pending is None and state["pending"] is None
+            assert list(on_disk.attached) == state["attached"] == []
+            outcomes.add("dirty" if state["dirty"] else f"version {state['version']}")
+        finally:
+            daemon.stop()
+    assert outcomes <= {"dirty", "version 1"}
