@@ -32,8 +32,7 @@ def register() -> None:
         engine_startup.around_maybe_init_expert_location_metadata,
         around,
     )
-    HookRegistry.register(loader_hooks.FETCH_TARGET, loader_hooks.around_fetch_from_cache, around)
-    HookRegistry.register(loader_hooks.SEND_TARGET, loader_hooks.around_send_msg, around)
-    HookRegistry.register(loader_hooks.RECV_TARGET, loader_hooks.around_recv_msg, around)
+    for target, hook in loader_hooks.HOOKS:
+        HookRegistry.register(target, hook, around)
     HookRegistry.register(rebalance.HOOK_TARGET, rebalance.rebalance_around, around)
     daemon_hooks.register_spawn_hook()
