@@ -9,9 +9,10 @@ the three attributes the method and the hook read (``is_draft_worker``, ``model_
 distribution recorder that the original method builds allocates its counters on the CPU
 instead of the accelerator (see ``_rank_main``).
 
-Processes come from a forkserver that has imported sglang once (``sglang_context``), so a rank
-or a daemon starts in about a second instead of paying sglang's ~12 s import each time; each
-child still publishes its own config, and nothing of sglang runs in the pytest process.
+Processes come from the forkserver of ``sglang_integration.testing.cpu_engine`` that has
+imported sglang once (``sglang_context``), so a rank or a daemon starts in about a second
+instead of paying sglang's ~12 s import each time; each child still publishes its own config,
+and nothing of sglang runs in the pytest process.
 
 The helpers at the top (``sglang_context``, ``EngineRanks``, ``older_daemon``, the config
 writers) are also used by the other tests/test_engine_*.py and tests/test_loader_*.py.
@@ -22,8 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import queue
 import signal
@@ -46,37 +45,12 @@ NUM_LOGICAL = 8
 NUM_REDUNDANT = 2
 NUM_SLOTS = NUM_LOGICAL + NUM_REDUNDANT
 
-# Beyond what the daemon helpers preload: the engine side. One forkserver serves every test, so
-# whichever helper starts it first must preload both lists.
-ENGINE_PRELOAD = (
-    "sglang.srt.model_executor.model_runner",
-    "sglang.srt.weight_cache.ipc_loader",
-    "sglang.srt.server_args",
-    "sglang.srt.configs.model_config",
-    "sglang.srt.models.registry",  # imports every model module: the first arch lookup
-    "sglang_integration.engine_startup",
-    "sglang_integration.loader_hooks",
-    "sglang_integration.expert_metadata",
-)
-
 
 def sglang_context() -> Any:
-    """The forkserver context of ``daemon_control``, its server preloading the engine side too."""
-    from sglang_integration.testing.daemon_control import PRELOAD_MODULES, process_context
+    """The shared forkserver context, its server preloading the daemon and the engine side."""
+    from sglang_integration.testing.cpu_engine import engine_process_context
 
-    context = process_context()
-    context.set_forkserver_preload([*PRELOAD_MODULES, *ENGINE_PRELOAD])
-    saved = {key: os.environ.get(key) for key in SGLANG_QUIET_ENV}
-    os.environ.update(SGLANG_QUIET_ENV)  # the server reads these while it imports
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return context
+    return engine_process_context()
 
 
 def write_tiny_dense_config(directory: Path) -> Path:
