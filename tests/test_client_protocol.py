@@ -1,8 +1,9 @@
 """The engine's layout client: typed outcomes over real Unix sockets, timeouts on every operation.
 
 The older daemon is sglang 0.5.23's own ``WeightCacheDaemon`` serve loop without the plugin
-(``older_daemon`` in tests/test_engine_startup_hook.py). Replies that no daemon would send
-(a malformed layout, an unknown status) come from a scripted peer on a real Unix socket.
+(``model_less_daemon(record="no-plugin")`` in tests/test_engine_startup_hook.py). Replies that
+no daemon would send (a malformed layout, an unknown status) come from a scripted peer on a real
+Unix socket.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_engine_startup_hook import older_daemon, scripted_peer
+from test_engine_startup_hook import model_less_daemon, scripted_peer
 
 from layout_ledger import messages
 from sglang_integration import client
@@ -35,7 +36,8 @@ def reply_with(body: Any) -> Any:
 
 @pytest.mark.timeout(120)
 def test_every_layout_request_to_an_older_daemon_reads_as_older_daemon(tmp_path: Path) -> None:
-    with older_daemon(tmp_path / "older.sock") as path:
+    with model_less_daemon(tmp_path, record="no-plugin") as older:
+        path = older.socket_path
         attachment = client.attach(path, "engine-a")
         replies = {
             "attach": attachment.reply,

@@ -14,8 +14,9 @@ imported sglang once (``sglang_context``), so a rank or a daemon starts in about
 instead of paying sglang's ~12 s import each time; each child still publishes its own config,
 and nothing of sglang runs in the pytest process.
 
-The helpers at the top (``sglang_context``, ``EngineRanks``, ``older_daemon``, the config
-writers) are also used by the other tests/test_engine_*.py and tests/test_loader_*.py.
+The helpers at the top (``sglang_context``, ``EngineRanks``, ``model_less_daemon``,
+``scripted_peer``, the config writers) are also used by the other tests/test_engine_*.py,
+tests/test_client_*.py and tests/test_loader_*.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import json
 import logging
 import os
 import queue
-import signal
 import socket
 import threading
 import time
@@ -39,6 +39,7 @@ import pytest
 from test_updater_shared_experts import SGLANG_QUIET_ENV, free_port, write_tiny_moe_config
 
 from layout_ledger.layout import layout_digest, trivial_map
+from sglang_integration.testing.daemon_control import DaemonProcess
 
 NUM_LAYERS = 3
 NUM_LOGICAL = 8
@@ -76,33 +77,64 @@ def write_tiny_dense_config(directory: Path) -> Path:
     return directory
 
 
-# --- sglang's own daemon without the plugin, and scripted peers --------------------------------
+# --- daemons and scripted peers ---------------------------------------------------------------
 
-# A CacheConfig the older daemon states; tests that fetch weights pass the engine's own.
-PLACEHOLDER_CACHE_CONFIG = {
-    "model_path": "/nonexistent/model",
-    "model_arch": "Qwen3MoeForCausalLM",
-    "tp_size": 1,
-    "tp_rank": 0,
-    "pp_size": 1,
-    "pp_rank": 0,
-    "dp_size": 1,
-    "ep_size": 1,
-    "moe_dp_size": 1,
-    "moe_dp_rank": 0,
-    "moe_ep_rank": 0,
-    "attn_dp_size": 1,
-    "enable_dp_lm_head": False,
-    "attn_cp_size": 1,
-    "moe_dense_tp_size": None,
-    "moe_a2a_backend": "none",
-    "quant_method": "",
-    "quant_config_hash": "",
-    "dtype": "torch.bfloat16",
-    "revision": "",
-    "device_capability": "",
-    "torch_version": "",
-}
+
+def _serve_daemon_stating(argv: list[str], cache_config: dict[str, Any], log_path: str) -> None:
+    """Forkserver child: the model-less daemon's ``main``, stating ``cache_config``."""
+    from sglang_integration.testing import daemon, daemon_control
+
+    daemon_control.redirect_output(log_path)
+    daemon.model_less_cache_config = lambda geometry: cache_config
+    raise SystemExit(daemon.main(argv))
+
+
+@contextlib.contextmanager
+def model_less_daemon(
+    directory: Path,
+    *,
+    record: str = "ledger",
+    cache_config: dict[str, Any] | None = None,
+    num_physical_experts: int = NUM_SLOTS,
+) -> Iterator[DaemonProcess]:
+    """A model-less daemon (``testing.daemon``) in ``directory``; stopped when the block ends.
+
+    ``record``: ``ledger``, ``none`` (no ``--enable-eplb``) or ``no-plugin`` (sglang 0.5.23's
+    own daemon). With ``cache_config`` it states that ``CacheConfig`` instead of its model-less
+    one, so that a real engine's ``fetch_state`` passes the config check.
+    """
+    from sglang_integration.testing.daemon_control import (
+        daemon_argv,
+        start_daemon,
+        wait_until_serving,
+    )
+
+    geometry = {
+        "num_layers": NUM_LAYERS,
+        "num_logical_experts": NUM_LOGICAL,
+        "num_physical_experts": num_physical_experts,
+    }
+    if cache_config is None:
+        handle = start_daemon(directory, record=record, **geometry)
+    else:
+        directory.mkdir(parents=True, exist_ok=True)
+        socket_path = str(directory / "daemon.sock")
+        ledger = str(directory / "daemon.sqlite") if record == "ledger" else None
+        argv = daemon_argv(socket_path, ledger, record=record, **geometry)
+        handle = DaemonProcess(socket_path, ledger, str(directory / "daemon.log"), argv)
+        handle.process = sglang_context().Process(
+            target=_serve_daemon_stating, args=(argv, cache_config, handle.log_path), daemon=True
+        )
+        handle.process.start()
+        try:
+            wait_until_serving(socket_path, handle.is_alive, describe=handle.log)
+        except BaseException:
+            handle.kill()
+            raise
+    try:
+        yield handle
+    finally:
+        handle.stop()
 
 
 @contextlib.contextmanager
@@ -134,56 +166,6 @@ def scripted_peer(path: Path, handle: Any) -> Iterator[list[socket.socket]]:
         for conn in kept:
             conn.close()
         server.close()
-
-
-def _serve_older_daemon(socket_path: str, cache_config: dict[str, Any]) -> None:
-    """sglang 0.5.23's WeightCacheDaemon serve loop and request handler, no plugin, until SIGTERM.
-
-    ``__init__`` only copies ServerArgs fields and asks the platform for the device uuid (which
-    the base platform here cannot answer); ``serve`` and ``_handle_connection`` read only the
-    attributes set below. ``load()`` needs CUDA, so the daemon holds no tensors.
-    """
-    from sglang.srt.weight_cache.daemon import WeightCacheDaemon
-    from sglang.srt.weight_cache.protocol import CacheConfig
-    from sglang.srt.weight_cache.transport import choose_daemon_transport_backend
-
-    daemon = WeightCacheDaemon.__new__(WeightCacheDaemon)
-    daemon.gpu_id = 0
-    daemon.socket_path = socket_path
-    daemon.ready_path = socket_path + ".ready"
-    daemon.config = CacheConfig.from_dict(cache_config)
-    daemon.state_entries = {}
-    daemon.preloaded_weights_bytes = 0
-    daemon.transport_backend = choose_daemon_transport_backend({})
-    daemon.serve()
-
-
-@contextlib.contextmanager
-def older_daemon(socket_path: Path, cache_config: dict[str, Any] | None = None) -> Iterator[str]:
-    """Run sglang's own daemon (no plugin) at ``socket_path`` until the block ends."""
-    process = sglang_context().Process(
-        target=_serve_older_daemon,
-        args=(str(socket_path), cache_config or PLACEHOLDER_CACHE_CONFIG),
-    )
-    process.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not socket_path.exists():
-            if not process.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the older daemon did not start (exit {process.exitcode})")
-            time.sleep(0.05)
-        yield str(socket_path)
-    finally:
-        _stop(process)
-
-
-def _stop(process: Any) -> None:
-    if process.pid is not None and process.is_alive():
-        os.kill(process.pid, signal.SIGTERM)
-    process.join(10)
-    if process.is_alive():
-        process.kill()
-        process.join()
 
 
 # --- engine ranks -----------------------------------------------------------------------------
@@ -543,12 +525,12 @@ def test_without_a_daemon_socket_the_engine_keeps_its_initial_layout(
 def test_an_older_daemon_starts_the_engine_on_its_own_layout_with_one_warning(
     one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
 ) -> None:
-    with older_daemon(tmp_path / "older.sock") as path:
+    with model_less_daemon(tmp_path, record="no-plugin") as older:
         (report,) = one_rank.run(
             {
                 "model_dir": str(models["moe"]),
                 "args": {"weight_cache_mode": "client"},
-                "sockets": [path],
+                "sockets": [older.socket_path],
             }
         )
     assert report["error"] is None

@@ -6,7 +6,7 @@ of ``EngineRanks`` (tests/test_engine_startup_hook.py) after the real startup ho
 - the model-less daemon with the plugin (``sglang_integration.testing.daemon``), stating the
   ``CacheConfig`` this engine sends so that its config check passes and the layout check decides
   (``daemon_stating``; the config is captured from the loader's own first request);
-- sglang 0.5.23's own daemon without the plugin (``older_daemon``);
+- sglang 0.5.23's own daemon without the plugin (the same, ``--without-plugin``);
 - a scripted peer on a real Unix socket where the reply must be one no daemon here would send
   to this engine (a refusal of a layout the engine does follow).
 
@@ -16,7 +16,6 @@ of ``EngineRanks`` (tests/test_engine_startup_hook.py) after the real startup ho
 
 from __future__ import annotations
 
-import contextlib
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,9 +27,8 @@ from test_engine_startup_hook import (
     NUM_LOGICAL,
     NUM_SLOTS,
     EngineRanks,
-    older_daemon,
+    model_less_daemon,
     scripted_peer,
-    sglang_context,
 )
 from test_updater_shared_experts import write_tiny_moe_config
 
@@ -40,9 +38,7 @@ from sglang_integration import client
 from sglang_integration.testing.daemon_control import (
     DaemonProcess,
     EngineStandIn,
-    daemon_argv,
     request,
-    wait_until_serving,
 )
 
 INITIAL = trivial_map(NUM_LAYERS, NUM_SLOTS, NUM_LOGICAL)
@@ -102,41 +98,9 @@ def engine_cache_config(
     return dict(fetch["config"])
 
 
-def _serve_daemon_stating(argv: list[str], cache_config: dict[str, Any], log_path: str) -> None:
-    """Forkserver child: the model-less daemon's ``main``, stating ``cache_config``."""
-    from sglang_integration.testing import daemon, daemon_control
-
-    daemon_control.redirect_output(log_path)
-    daemon.model_less_cache_config = lambda geometry: cache_config
-    raise SystemExit(daemon.main(argv))
-
-
-@contextlib.contextmanager
-def daemon_stating(
-    directory: Path, cache_config: dict[str, Any], record: str = "ledger"
-) -> Iterator[DaemonProcess]:
-    """A model-less daemon with the plugin whose ``CacheConfig`` is this engine's."""
-    directory.mkdir(parents=True, exist_ok=True)
-    socket_path = str(directory / "daemon.sock")
-    ledger = str(directory / "daemon.sqlite") if record == "ledger" else None
-    argv = daemon_argv(
-        socket_path,
-        ledger,
-        num_layers=NUM_LAYERS,
-        num_logical_experts=NUM_LOGICAL,
-        num_physical_experts=NUM_SLOTS,
-        record=record,
-    )
-    handle = DaemonProcess(socket_path, ledger, str(directory / "daemon.log"), argv)
-    handle.process = sglang_context().Process(
-        target=_serve_daemon_stating, args=(argv, cache_config, handle.log_path), daemon=True
-    )
-    handle.process.start()
-    try:
-        wait_until_serving(socket_path, handle.is_alive, describe=handle.log)
-        yield handle
-    finally:
-        handle.stop()
+def daemon_stating(directory: Path, cache_config: dict[str, Any], record: str = "ledger") -> Any:
+    """A model-less daemon whose ``CacheConfig`` is this engine's (so the layout check decides)."""
+    return model_less_daemon(directory, record=record, cache_config=cache_config)
 
 
 def moved_by_another_engine(daemon: DaemonProcess) -> None:
@@ -231,8 +195,8 @@ def test_the_loader_records_disk_when_no_daemon_socket_exists(
 def test_new_engine_on_an_older_daemon_starts_on_its_own_layout_and_is_served(
     one_rank: EngineRanks, model_dir: Path, engine_cache_config: dict[str, Any], tmp_path: Path
 ) -> None:
-    with older_daemon(tmp_path / "older.sock", cache_config=engine_cache_config) as path:
-        report = run(one_rank, model_dir, path, fetch="fetch")
+    with daemon_stating(tmp_path, engine_cache_config, record="no-plugin") as older:
+        report = run(one_rank, model_dir, older.socket_path, fetch="fetch")
     assert report["error"] is None
     assert report["map"] == INITIAL
     assert report["session"]["finding"] == "older_daemon"
