@@ -146,7 +146,7 @@ def start_from_daemon_layout(
     rank = world.rank_in_group
     engine_id = _shared_engine_id(world)
     initial_digest = layout_digest(map_of(metadata))
-    finding, attachment, local_layout = read_daemon(
+    finding, attachment = read_daemon(
         socket_path, engine_id, rank=rank, initial_digest=initial_digest
     )
     findings = world.all_gather_object(finding)
@@ -155,13 +155,9 @@ def start_from_daemon_layout(
         if isinstance(decision, FailStartup):
             raise ExpertLayoutStartupError(decision.reason)
         if isinstance(decision, AdoptLayout):
-            # Every rank's own daemon holds this digest; build from the local copy.
-            the_map = (
-                local_layout.physical_to_logical_map
-                if local_layout is not None
-                else decision.physical_to_logical_map
+            changed = adopt_map(
+                model_config, decision.physical_to_logical_map, moe_ep_rank, metadata
             )
-            changed = adopt_map(model_config, the_map, moe_ep_rank, metadata)
             logger.info(
                 "Routing with the weight cache daemon's expert layout at version %d "
                 "(digest %s, %s the engine's initial layout)",
@@ -198,71 +194,51 @@ def read_daemon(
     initial_digest: str,
     wait_timeout: float | None = None,
     poll_interval: float = POLL_INTERVAL,
-) -> tuple[RankFinding, client.Attachment | None, client.DaemonLayout | None]:
+) -> tuple[RankFinding, client.Attachment | None]:
     """Attach and wait out another engine's move; never raises (a failure is a finding).
 
-    Returns the finding, the attachment when the daemon accepted it (still open), and the
-    daemon's layout when the finding is a clean record.
+    Returns the finding and the attachment (its connection still open when the daemon accepted
+    it). A RECORD finding's map hashes to its digest (checked here).
     """
     attachment: client.Attachment | None = None
-
-    def finding(kind: FindingKind, **fields: Any) -> RankFinding:
-        return RankFinding(
-            rank=rank, kind=kind, socket_path=socket_path, initial_digest=initial_digest, **fields
-        )
-
     try:
         timeout = configured_wait_timeout() if wait_timeout is None else wait_timeout
         attachment = client.attach(socket_path, engine_id)
-        reply = attachment.reply
-        kind = _KIND_OF_ATTACH_OUTCOME.get(reply.outcome)
-        if kind is not None:
-            return finding(kind, reason=reply.reason), attachment, None
-        if reply.outcome is not client.Outcome.OK or reply.layout is None:
-            return (
-                finding(
-                    FindingKind.UNREADABLE, reason=f"attach {reply.outcome.value}: {reply.reason}"
-                ),
-                attachment,
-                None,
-            )
-        layout = _wait_for_pending_move(socket_path, reply.layout, timeout, poll_interval)
-        if isinstance(layout, _WaitFailure):
-            return finding(layout.kind, reason=layout.reason), attachment, None
-        if layout.dirty:
-            return (
-                finding(FindingKind.DIRTY, reason=layout.dirty_reason or "marked dirty"),
-                attachment,
-                None,
-            )
-        actual = layout_digest(layout.physical_to_logical_map)
-        if actual != layout.digest:
-            return (
-                finding(
-                    FindingKind.UNREADABLE,
-                    reason=f"the daemon's map hashes to {actual[:12]}, not to the digest "
-                    f"{layout.digest[:12]} it reports",
-                ),
-                attachment,
-                None,
-            )
-        return (
-            finding(
-                FindingKind.RECORD,
-                version=layout.version,
-                digest=layout.digest,
-                physical_to_logical_map=layout.physical_to_logical_map,
-            ),
-            attachment,
-            layout,
-        )
+        kind, fields = _what_the_daemon_holds(socket_path, attachment.reply, timeout, poll_interval)
     except Exception as exc:  # every rank must reach the all-gather
         logger.exception("Reading the expert layout of the daemon at %s failed", socket_path)
-        return (
-            finding(FindingKind.UNREADABLE, reason=f"{type(exc).__name__}: {exc}"),
-            attachment,
-            None,
-        )
+        kind, fields = FindingKind.UNREADABLE, {"reason": f"{type(exc).__name__}: {exc}"}
+    finding = RankFinding(
+        rank=rank, kind=kind, socket_path=socket_path, initial_digest=initial_digest, **fields
+    )
+    return finding, attachment
+
+
+def _what_the_daemon_holds(
+    socket_path: str, reply: client.Reply, timeout: float, poll_interval: float
+) -> tuple[FindingKind, dict[str, Any]]:
+    """The finding's kind and fields from the attach reply (after waiting out a pending move)."""
+    kind = _KIND_OF_ATTACH_OUTCOME.get(reply.outcome)
+    if kind is not None:
+        return kind, {"reason": reply.reason}
+    if reply.outcome is not client.Outcome.OK or reply.layout is None:
+        return FindingKind.UNREADABLE, {"reason": f"attach {reply.outcome.value}: {reply.reason}"}
+    layout = _wait_for_pending_move(socket_path, reply.layout, timeout, poll_interval)
+    if isinstance(layout, _WaitFailure):
+        return layout.kind, {"reason": layout.reason}
+    if layout.dirty:
+        return FindingKind.DIRTY, {"reason": layout.dirty_reason or "marked dirty"}
+    actual = layout_digest(layout.physical_to_logical_map)
+    if actual != layout.digest:
+        return FindingKind.UNREADABLE, {
+            "reason": f"the daemon's map hashes to {actual[:12]}, not to the digest "
+            f"{layout.digest[:12]} it reports"
+        }
+    return FindingKind.RECORD, {
+        "version": layout.version,
+        "digest": layout.digest,
+        "physical_to_logical_map": layout.physical_to_logical_map,
+    }
 
 
 _KIND_OF_ATTACH_OUTCOME = {

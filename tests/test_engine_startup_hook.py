@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 from test_updater_shared_experts import SGLANG_QUIET_ENV, free_port, write_tiny_moe_config
 
+from layout_ledger import messages
 from layout_ledger.layout import layout_digest, trivial_map
 from sglang_integration.testing.daemon_control import DaemonProcess
 
@@ -541,3 +542,60 @@ def test_an_older_daemon_starts_the_engine_on_its_own_layout_with_one_warning(
     assert "keep no expert layout record" in warning
     assert "older_daemon: Unknown request type: expert_layout_attach" in warning
     assert "will not be rebalanced" in warning
+
+
+def _attach_ok_with(layout: dict[str, Any]) -> Any:
+    def handle(conn: socket.socket) -> None:
+        from sglang.srt.weight_cache.protocol import recv_msg, send_msg
+
+        recv_msg(conn)
+        send_msg(conn, {"status": messages.OK, "layout": layout})
+
+    return handle
+
+
+@pytest.mark.timeout(180)
+def test_a_daemon_whose_map_does_not_hash_to_its_digest_fails_the_start(
+    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
+) -> None:
+    wrong = {
+        "version": 1,
+        "digest": layout_digest(INITIAL),  # the digest of another map than the one sent
+        "physical_to_logical_map": [list(reversed(row)) for row in INITIAL],
+        "dirty": False,
+        "dirty_reason": None,
+        "pending": None,
+        "attached": [],
+        "non_following_fetch": False,
+    }
+    with scripted_peer(tmp_path / "d.sock", _attach_ok_with(wrong)):
+        (report,) = one_rank.run(
+            {
+                "model_dir": str(models["moe"]),
+                "args": {"weight_cache_mode": "client"},
+                "sockets": [str(tmp_path / "d.sock")],
+            }
+        )
+    assert report["error"].startswith(
+        "ExpertLayoutStartupError: a rank could not read its weight cache daemon's expert layout"
+    )
+    assert "unreadable: the daemon's map hashes to" in report["error"]
+    assert report["map"] == INITIAL
+    assert report["session"] is None
+
+
+@pytest.mark.timeout(180)
+def test_a_wait_timeout_that_is_not_a_number_fails_the_start_naming_the_variable(
+    one_rank: EngineRanks, models: dict[str, Path], tmp_path: Path
+) -> None:
+    (report,) = one_rank.run(
+        {
+            "model_dir": str(models["moe"]),
+            "args": {"weight_cache_mode": "client"},
+            "sockets": [str(tmp_path / "absent.sock")],
+            "env": {"SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT": "five minutes"},
+        }
+    )
+    assert "SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT='five minutes' is not a finite number" in (
+        report["error"] or ""
+    )
