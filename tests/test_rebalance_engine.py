@@ -27,6 +27,11 @@ from test_updater_shared_experts import (
 )
 
 from layout_ledger.layout import trivial_map
+from sglang_integration.testing.cpu_engine import (  # routed_map, run_rebalances: re-exported
+    NoDiskReload,
+    routed_map,
+    run_rebalances,
+)
 from sglang_integration.testing.shared_experts import (
     count_matching_slots,
     create_shared_experts,
@@ -35,13 +40,6 @@ from sglang_integration.testing.shared_experts import (
 
 LAYERS_PER_CHUNK = 4  # 8 layers -> 2 chunks per rebalance
 ALL_SLOTS = NUM_LAYERS * SHAPE.num_physical_slots
-
-
-class _NoDiskReload:
-    """The engine's weight updater; only called for experts lost to elastic EP (not here)."""
-
-    def update_weights_from_disk(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("no expert may be missing after a move between live ranks")
 
 
 def build_rebalancing_engine(
@@ -100,22 +98,9 @@ def build_rebalancing_engine(
         get_model=lambda: model,
         get_expert_location_updater=lambda: updater,
         get_expert_backup_client=lambda: None,
-        get_weight_updater=_NoDiskReload,
+        get_weight_updater=NoDiskReload,
     )
     return manager, model
-
-
-def run_rebalances(manager: Any, count: int) -> None:
-    """Drive ``count`` rebalances the way ``EPLBManager._entrypoint`` does (yield from)."""
-    for _ in range(count):
-        for _ in manager.rebalance():
-            pass
-
-
-def routed_map() -> list[list[int]]:
-    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-
-    return get_global_expert_location_metadata().physical_to_logical_map_cpu.tolist()
 
 
 def _original_path_rank(

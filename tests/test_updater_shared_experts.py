@@ -7,21 +7,26 @@ computes from skewed synthetic loads, once plainly and once with
 ``SGLANG_EXPERT_LOCATION_UPDATER_CANARY=1``. A third process that mapped the same memory before
 the moves, and never imports sglang, must see every slot hold the expert the final map names.
 
-The helpers at the top (``write_tiny_moe_config``, ``engine_process_context``,
-``start_cpu_engine_rank``, ``free_port``) are also used by tests/test_rebalance_*.py.
+The helpers at the top (``write_tiny_moe_config``, ``start_cpu_engine_rank``, ``free_port``, from
+``sglang_integration.testing.cpu_engine``, and ``engine_process_context``) are also used by
+tests/test_rebalance_*.py and tests/test_engine_*.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from layout_ledger.layout import trivial_map
+from sglang_integration.testing.cpu_engine import (  # re-exported for tests/test_engine_*.py
+    SGLANG_QUIET_ENV,  # noqa: F401
+    free_port,
+    start_cpu_engine_rank,
+    write_tiny_moe_config,
+)
 from sglang_integration.testing.shared_experts import (
     ExpertTensorShape,
     attach_shared_experts,
@@ -39,39 +44,6 @@ SHAPE = ExpertTensorShape(
     num_physical_slots=NUM_LOGICAL + NUM_REDUNDANT,
     ep_size=EP_SIZE,
 )
-SGLANG_QUIET_ENV = {
-    "SGLANG_DISABLED_MODEL_ARCHS": "falcon_mamba,inkling,mamba,midashenglm",
-    "GLOO_SOCKET_IFNAME": "lo",
-}
-
-
-def write_tiny_moe_config(directory: Path, num_layers: int, num_experts: int) -> Path:
-    """A Qwen3-MoE ``config.json`` (no weights): enough for ServerArgs, ModelConfig and EPLB."""
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "moe_intermediate_size": 8,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 8,
-        "num_experts": num_experts,
-        "num_experts_per_tok": 2,
-        "vocab_size": 64,
-        "max_position_embeddings": 128,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "norm_topk_prob": True,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "torch_dtype": "bfloat16",
-        "tie_word_embeddings": False,
-    }
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
 
 
 def engine_process_context() -> Any:
@@ -81,57 +53,6 @@ def engine_process_context() -> Any:
     from test_engine_startup_hook import sglang_context
 
     return sglang_context()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_cpu_engine_rank(
-    rank: int,
-    *,
-    world_size: int,
-    port: int,
-    model_dir: str,
-    num_redundant: int,
-    **server_args: Any,
-) -> Any:
-    """In a fresh process: publish real ServerArgs for this rank, build sglang's world group on
-    gloo, and install the initial (trivial) expert location metadata. Returns the ModelConfig."""
-    os.environ.update(SGLANG_QUIET_ENV)
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed.parallel_state import init_distributed_environment
-    from sglang.srt.eplb.expert_location import (
-        ExpertLocationMetadata,
-        set_global_expert_location_metadata,
-    )
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
-
-    args = ServerArgs(
-        model_path=model_dir,
-        device="cpu",
-        tp_size=world_size,
-        ep_size=world_size,
-        enable_eplb=True,
-        ep_num_redundant_experts=num_redundant,
-        skip_tokenizer_init=True,
-        **server_args,
-    )
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
-    init_distributed_environment(
-        backend="gloo",
-        world_size=world_size,
-        rank=rank,
-        distributed_init_method=f"tcp://127.0.0.1:{port}",
-        local_rank=rank,
-    )
-    model_config = ModelConfig.from_server_args(args)
-    metadata = ExpertLocationMetadata.init_trivial(model_config, moe_ep_rank=rank)
-    set_global_expert_location_metadata(metadata)
-    return model_config
 
 
 def _engine_rank(rank: int, port: int, model_dir: str, expert_dir: str, results: Any) -> None:
