@@ -105,6 +105,11 @@ class AttachWatcher:
     def _run(self) -> None:
         self._selector.register(self._wake_reader, selectors.EVENT_READ)
         while True:
+            # Check before every select: a drain below may swallow the wake-up byte that stop()
+            # sent after setting the flag, and select() would then wait for ever.
+            with self._lock:
+                if self._stopping:
+                    return
             events = self._selector.select()
             with self._lock:
                 if self._stopping:

@@ -152,3 +152,23 @@ def test_stop_closes_every_connection_without_reporting_and_refuses_new_ones() -
     _, late = socket.socketpair()
     with pytest.raises(WatcherStopped):
         watcher.watch(late, "engine-late")
+
+
+def test_stop_is_not_lost_when_a_wake_up_drain_swallows_its_byte() -> None:
+    """stop() landing while the thread drains earlier wake-ups: its byte is swallowed by that
+    drain, so the thread must check the flag again before it selects, or it waits for ever."""
+    watcher = AttachWatcher(Reports())
+    real_drain = watcher._drain_wake_ups
+
+    def drain_while_stop_lands() -> None:
+        with watcher._lock:  # exactly what stop() does first: set the flag, then wake
+            watcher._stopping = True
+        watcher._wake()
+        real_drain()  # swallows stop's byte along with the earlier ones
+
+    watcher._drain_wake_ups = drain_while_stop_lands  # type: ignore[method-assign]
+    watcher.start()
+    engine = attach_pair(watcher, "engine")
+    watcher._thread.join(timeout=3)
+    assert not watcher._thread.is_alive()
+    engine.close()
