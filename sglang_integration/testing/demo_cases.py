@@ -33,6 +33,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -152,8 +153,14 @@ class Workspace:
         self._daemons: list[Any] = []
 
     def start_processes(self) -> float:
-        """Start the forkserver (it imports sglang once); the seconds it took."""
+        """Start the forkserver (it imports sglang once); the seconds it took.
+
+        Meanwhile this process imports what it needs to talk to daemons and read the experts
+        (sglang's framing, torch): seconds of imports that then overlap the server's.
+        """
         started = time.monotonic()
+        importer = threading.Thread(target=_import_parent_side, daemon=True)
+        importer.start()
         # The server inherits this process's stdout and stderr when it starts: send its import
         # noise (sglang's warnings about CUDA-only kernels) to a log file instead.
         with _output_to(self.root / "forkserver.log"):
@@ -161,6 +168,7 @@ class Workspace:
         warm = self.context.Process(target=_nothing)
         warm.start()
         warm.join(300)
+        importer.join(300)
         if warm.exitcode != 0:
             raise RuntimeError(f"the forkserver's first process failed (exit {warm.exitcode})")
         return time.monotonic() - started
@@ -230,6 +238,17 @@ class Workspace:
         self._engines.append(engine)
         return engine
 
+    def processes_alive(self) -> list[str]:
+        """The engine ranks and daemons this workspace started that still run."""
+        alive = [
+            f"engine {engine.spec.name} rank {rank} (pid {process.pid})"
+            for engine in self._engines
+            for rank, process in enumerate(engine.processes)
+            if process.is_alive()
+        ]
+        alive += [f"daemon {d.socket_path} (pid {d.pid})" for d in self._daemons if d.is_alive()]
+        return alive
+
     def close(self) -> None:
         from sglang_integration.testing.shared_experts import remove_shared_experts
 
@@ -268,6 +287,14 @@ def _output_to(path: Path) -> Iterator[None]:
         os.dup2(saved[1], 2)
         for fd in (*saved, log_fd):
             os.close(fd)
+
+
+def _import_parent_side() -> None:
+    import importlib
+
+    # sglang's framing of every daemon request (it imports sglang), and torch.
+    for module in ("sglang.srt.weight_cache.protocol", "sglang_integration.testing.shared_experts"):
+        importlib.import_module(module)
 
 
 def _nothing() -> None:
