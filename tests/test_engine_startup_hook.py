@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_updater_shared_experts import SGLANG_QUIET_ENV, free_port, write_tiny_moe_config
 
 from layout_ledger import messages
 from layout_ledger.layout import layout_digest, trivial_map
+from sglang_integration.testing.cpu_engine import SGLANG_QUIET_ENV, free_port, write_tiny_moe_config
 from sglang_integration.testing.daemon_control import DaemonProcess
 
 NUM_LAYERS = 3

@@ -30,11 +30,11 @@ from test_engine_startup_hook import (
     model_less_daemon,
     scripted_peer,
 )
-from test_updater_shared_experts import write_tiny_moe_config
 
 from layout_ledger import messages
 from layout_ledger.layout import layout_digest, trivial_map
 from sglang_integration import client
+from sglang_integration.testing.cpu_engine import write_tiny_moe_config
 from sglang_integration.testing.daemon_control import (
     DaemonProcess,
     EngineStandIn,

@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 from test_engine_startup_hook import sglang_context
-from test_updater_shared_experts import SGLANG_QUIET_ENV, write_tiny_moe_config
+
+from sglang_integration.testing.cpu_engine import SGLANG_QUIET_ENV, write_tiny_moe_config
 
 NUM_LAYERS = 3
 NUM_LOGICAL = 8
