@@ -93,7 +93,8 @@ def test_the_daemon_prunes_by_itself_so_a_long_run_stays_bounded(tmp_path):
     # At most keep_versions + prune_every versions of all 8 layers are ever held.
     assert len(rows) <= (5 + 10) * 8
     floor, current = _kept_versions_verify(path, record.incarnation_id)
-    assert current == 200 and floor == 196
+    # The thread prunes behind the commits, so the floor trails by up to prune_every versions.
+    assert current == 200 and 200 - (5 + 10) < floor <= 196
     ledger.close()
 
 
