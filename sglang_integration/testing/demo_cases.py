@@ -748,7 +748,7 @@ def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any]]:
         slots(config.all_slots - matching(held, committed_map), config),
     )
     engine_a.kill()
-    layouts = wait_for_daemons(daemons, lambda layout: layout.dirty, "dirty")
+    layouts = wait_for_daemons(daemons, lambda layout: not layout.attached, "A detached")
     result.check(
         "(b) after SIGKILL: daemons dirty",
         both("dirty", config.ep_size),
