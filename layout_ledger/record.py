@@ -24,6 +24,18 @@ from layout_ledger.layout import Geometry, Map, digest_of_row_jsons, row_json
 from layout_ledger.state import DirtyMark, LayoutState, PendingMove, utc_now
 
 
+def _move_event(kind: str, move: PendingMove, at: str | None = None, **fields: Any) -> ev.Event:
+    """The event of one step of ``move`` (begin, commit, abort, dirty)."""
+    return ev.Event(
+        at=at or utc_now(),
+        kind=kind,
+        engine_id=move.engine_id,
+        layers=move.layers,
+        base_version=move.base_version,
+        **fields,
+    )
+
+
 class LayoutRecord:
     """One incarnation's layout: version, map, digest, pending move, dirty mark, attachments."""
 
@@ -104,14 +116,7 @@ class LayoutRecord:
                 del self._attached[engine_id]
                 return None
             mark = DirtyMark(move=pending, at=at)
-            dirty = ev.Event(
-                at=at,
-                kind=ev.DIRTY,
-                engine_id=engine_id,
-                layers=pending.layers,
-                base_version=pending.base_version,
-                reason=mark.reason,
-            )
+            dirty = _move_event(ev.DIRTY, pending, at=at, reason=mark.reason)
             self._persist(detached, dirty)
             del self._attached[engine_id]
             self.pending = None
@@ -127,15 +132,7 @@ class LayoutRecord:
                 base_version=base_version,
                 since=utc_now(),
             )
-            self._persist(
-                ev.Event(
-                    at=move.since,
-                    kind=ev.BEGIN,
-                    engine_id=engine_id,
-                    layers=valid_layers,
-                    base_version=base_version,
-                )
-            )
+            self._persist(_move_event(ev.BEGIN, move, at=move.since))
             self.pending = move
             return move
 
@@ -150,15 +147,7 @@ class LayoutRecord:
             digest = digest_of_row_jsons(row_jsons)
             new_version = self.version + 1
             self._persist(
-                ev.Event(
-                    at=utc_now(),
-                    kind=ev.COMMIT,
-                    engine_id=move.engine_id,
-                    layers=move.layers,
-                    base_version=move.base_version,
-                    new_version=new_version,
-                    digest_after=digest,
-                ),
+                _move_event(ev.COMMIT, move, new_version=new_version, digest_after=digest),
                 rows=new_row_jsons,
             )
             for layer, row in valid_rows.items():
@@ -172,15 +161,7 @@ class LayoutRecord:
     def abort(self, engine_id: Any) -> None:
         with self._lock:
             move = rules.check_abort(self, engine_id)
-            self._persist(
-                ev.Event(
-                    at=utc_now(),
-                    kind=ev.ABORT,
-                    engine_id=move.engine_id,
-                    layers=move.layers,
-                    base_version=move.base_version,
-                )
-            )
+            self._persist(_move_event(ev.ABORT, move))
             self.pending = None
 
     def fetch(self, field: Any) -> rules.FetchVerdict:

@@ -17,7 +17,6 @@ import logging
 import os
 import sqlite3
 import stat
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -126,8 +125,26 @@ def _apply_pragmas(conn: sqlite3.Connection, *, writer: bool) -> None:
         conn.execute("PRAGMA query_only=ON")
 
 
-def _engine(creator: Callable[[], sqlite3.Connection], *, begin_sql: str) -> Engine:
+def _engine(path: Path, target: str, *, writer: bool) -> Engine:
+    """An engine whose one connection opens ``target`` with the writer's or a reader's settings."""
+
+    def creator() -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            target,
+            uri=not writer,
+            isolation_level=None,
+            check_same_thread=False,
+            timeout=BUSY_TIMEOUT_MS / 1000,
+        )
+        try:
+            _apply_pragmas(conn, writer=writer)
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise LedgerFileError(f"{path} is not a usable SQLite database: {exc}") from exc
+        return conn
+
     engine = create_engine("sqlite://", creator=creator, poolclass=StaticPool)
+    begin_sql = "BEGIN IMMEDIATE" if writer else "BEGIN"
 
     @event.listens_for(engine, "begin")
     def _begin(connection: Connection) -> None:
@@ -143,22 +160,7 @@ def open_writer_engine(path: Path) -> Engine:
     """
     _check_owned_regular_file(path, "ledger")
     _create_private(path)
-
-    def creator() -> sqlite3.Connection:
-        conn = sqlite3.connect(
-            str(path),
-            isolation_level=None,
-            check_same_thread=False,
-            timeout=BUSY_TIMEOUT_MS / 1000,
-        )
-        try:
-            _apply_pragmas(conn, writer=True)
-        except sqlite3.DatabaseError as exc:
-            conn.close()
-            raise LedgerFileError(f"{path} is not a usable SQLite database: {exc}") from exc
-        return conn
-
-    return _engine(creator, begin_sql="BEGIN IMMEDIATE")
+    return _engine(path, str(path), writer=True)
 
 
 def open_reader_engine(path: Path) -> Engine:
@@ -169,21 +171,4 @@ def open_reader_engine(path: Path) -> Engine:
         raise LedgerFileError(f"ledger {path} is not a regular file")
     if not os.access(path, os.R_OK):
         raise LedgerFileError(f"ledger {path} is not readable by this user")
-    uri = f"file:{quote(str(path.resolve()))}?mode=ro"
-
-    def creator() -> sqlite3.Connection:
-        conn = sqlite3.connect(
-            uri,
-            uri=True,
-            isolation_level=None,
-            check_same_thread=False,
-            timeout=BUSY_TIMEOUT_MS / 1000,
-        )
-        try:
-            _apply_pragmas(conn, writer=False)
-        except sqlite3.DatabaseError as exc:
-            conn.close()
-            raise LedgerFileError(f"{path} is not a usable SQLite database: {exc}") from exc
-        return conn
-
-    return _engine(creator, begin_sql="BEGIN")
+    return _engine(path, f"file:{quote(str(path.resolve()))}?mode=ro", writer=False)
