@@ -103,6 +103,47 @@ def render_forensics(case: Any) -> str:
     return "\n".join(lines)
 
 
+def render_case1_side_by_side(run: Any) -> str:
+    """Case 1 with and without the plugin, in the shape of the proposal's table."""
+    with_plugin = next((c for c in run.cases if c.title.startswith("Case 1: ")), None)
+    without = next((c for c in run.cases if c.title.startswith("Case 1, plugin disabled")), None)
+    if with_plugin is None or without is None or "b_correct" not in without.facts:
+        return ""
+    on, off = with_plugin.facts, without.facts
+    total = run.config.all_slots
+    rows = [
+        ("", "plugin on", "plugin disabled"),
+        (
+            "engine A: rebalances (per rank)",
+            _ranks(on["a_rebalances"]),
+            _ranks(off["a_rebalances"]),
+        ),
+        ("daemon version after A (per rank)", _ranks(on["daemon_versions"]), "no record"),
+        ("engine B routes with", f"version {_ranks(on['b_versions'])}", "the initial layout"),
+        (
+            "B: slots holding the expert B's map names",
+            f"{on['b_correct']}/{total}",
+            f"{off['b_correct']}/{total}",
+        ),
+        (
+            "B: slots read wrongly",
+            f"{total - on['b_correct']}/{total}",
+            f"{off['wrong']}/{total}",
+        ),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["Case 1 side by side (the proposal's GPU table, on the CPU)"]
+    for index, row in enumerate(rows):
+        lines.append("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)))
+        if index == 0:
+            lines.append("  " + "-" * (sum(widths) + 4))
+    return "\n".join(lines) + "\n"
+
+
+def _ranks(values: list[Any]) -> str:
+    return ", ".join(str(value) for value in values)
+
+
 def render_summary(run: Any, wall: float) -> str:
     lines = ["Summary", "  " + "-" * (WIDTH - 2)]
     total = passed = 0
@@ -181,17 +222,27 @@ def main(argv: list[str] | None = None) -> int:
         run = demo_cases.run_demo(workspace, ROOT / "README.md", on_case=show)
     except (KeyboardInterrupt, Terminated):
         print("\ninterrupted: stopping every process and removing the temp dirs", flush=True)
-        workspace.close()
+        _close(workspace)
         return 130
     except Exception:
         print("\nthe demo could not finish, a process failed or hung:", flush=True)
         traceback.print_exc()
-        workspace.close()
+        if not args.keep:
+            print("(run with --keep to keep the logs and ledgers)", flush=True)
+        _close(workspace)
         return 2
-    workspace.close()
+    _close(workspace)
     wall = time.monotonic() - started
+    print(render_case1_side_by_side(run), flush=True)
     print(render_summary(run, wall), flush=True)
     return 1 if run.failed else 0
+
+
+def _close(workspace: Any) -> None:
+    """Stop every process and remove the temp dirs; a second Ctrl-C cannot cut this short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    workspace.close()
 
 
 if __name__ == "__main__":

@@ -476,6 +476,8 @@ def run_case1(workspace: Workspace) -> CaseResult:
         versions=versions,
         b_correct=b_correct,
         b_versions=[r["session"]["version"] for r in b_reports],
+        a_rebalances=[r["state"]["rebalances_done"] for r in a_reports],
+        daemon_versions=[layout.version for layout in layouts],
     )
     result.seconds = time.monotonic() - started
     return result
@@ -536,7 +538,11 @@ def run_case1_without_plugin(workspace: Workspace, plugin_a_map: Map | None) -> 
     )
     result.info("shared memory holds A's last layout", slots(matching(held, a_map), config))
     engine_b.exit()
-    result.facts.update(wrong=wrong)
+    result.facts.update(
+        wrong=wrong,
+        b_correct=config.all_slots - wrong,
+        a_rebalances=[r["rebalances_run"] for r in a_reports],
+    )
     result.seconds = time.monotonic() - started
     return result
 
