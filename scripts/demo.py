@@ -58,6 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ---------------------------------------------------------------- rendering -----------------
 
 
+# Column widths of a case's table; longer cells wrap onto more lines of the same row.
+CELL_WIDTHS = (52, 24, 24)
+
+
 def render_case(case: Any) -> str:
     head = f"{case.title}"
     lines = [f"{head}{f'{case.seconds:.1f} s':>{max(1, WIDTH - len(head))}}"]
@@ -65,14 +69,23 @@ def render_case(case: Any) -> str:
     for check in case.checks:
         result = "-" if check.ok is None else ("ok" if check.ok else "FAILED")
         rows.append((check.what, check.expected, check.measured, result))
-    widths = [max(len(row[column]) for row in rows) for column in range(3)]
-    for index, row in enumerate(rows):
-        lines.append(
-            "  "
-            + "  ".join(cell.ljust(widths[column]) for column, cell in enumerate(row[:3]))
-            + "  "
-            + row[3]
-        )
+    wrapped = [
+        [
+            textwrap.wrap(cell, width) or [""]
+            for cell, width in zip(row[:3], CELL_WIDTHS, strict=True)
+        ]
+        for row in rows
+    ]
+    widths = [max(len(line) for cells in wrapped for line in cells[column]) for column in range(3)]
+    for index, (row, cells) in enumerate(zip(rows, wrapped, strict=True)):
+        height = max(len(cell) for cell in cells)
+        for line_index in range(height):
+            texts = [
+                (cell[line_index] if line_index < len(cell) else "").ljust(widths[column])
+                for column, cell in enumerate(cells)
+            ]
+            result = row[3] if line_index == 0 else ""
+            lines.append(("  " + "  ".join(texts) + "  " + result).rstrip())
         if index == 0:
             lines.append("  " + "-" * (sum(widths) + 6 + len("result")))
     for note in case.notes:
@@ -186,6 +199,8 @@ def intro(config: Any, workspace: Any) -> str:
         "came from the daemon; the expert loads are skewed synthetic counts "
         "(SyntheticLoadRecorder); the ModelRunner is a namespace with the attributes the "
         "startup method reads.",
+        "Per-rank values read 'both: X' when each of the 2 EP ranks (or daemons) measured X, "
+        "else rank 0's and rank 1's values.",
         f"Work dir {workspace.root} and shared memory {workspace.shm_root}: removed on exit"
         + (" unless --keep." if not workspace.keep else " (kept: --keep)."),
     ]
@@ -219,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(render_forensics(case), flush=True)
 
         print("starting the forkserver (it imports sglang once for every process)...", flush=True)
+        seconds = workspace.start_processes()
+        print(f"forkserver ready in {seconds:.1f} s\n", flush=True)
         run = demo_cases.run_demo(workspace, ROOT / "README.md", on_case=show)
     except (KeyboardInterrupt, Terminated):
         print("\ninterrupted: stopping every process and removing the temp dirs", flush=True)

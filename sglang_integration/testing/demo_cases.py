@@ -149,6 +149,7 @@ class Workspace:
             self.root / "model", config.num_layers, config.num_logical_experts
         )
         self.context: Any = None
+        self.startup_seconds = 0.0
         self._engines: list[CpuEngine] = []
         self._daemons: list[Any] = []
 
@@ -171,7 +172,8 @@ class Workspace:
         importer.join(300)
         if warm.exitcode != 0:
             raise RuntimeError(f"the forkserver's first process failed (exit {warm.exitcode})")
-        return time.monotonic() - started
+        self.startup_seconds = time.monotonic() - started
+        return self.startup_seconds
 
     def case_dir(self, case: str) -> Path:
         path = self.root / case
@@ -349,7 +351,7 @@ def per_rank(values: Iterable[Any]) -> str:
     """One value per EP rank, in rank order; the same value on every rank is said once."""
     texts = [str(value) for value in values]
     if len(texts) > 1 and len(set(texts)) == 1:
-        return f"{texts[0]} ({'both' if len(texts) == 2 else f'all {len(texts)}'} ranks)"
+        return f"{'both' if len(texts) == 2 else f'all {len(texts)}'}: {texts[0]}"
     return ", ".join(texts)
 
 
@@ -416,7 +418,7 @@ def run_case1(workspace: Workspace) -> CaseResult:
     engine_a.exit()
     layouts = wait_for_daemons(daemons, lambda layout: not layout.attached, "A detached")
     result.check(
-        "daemon version after A stopped (= rebalances x chunks)",
+        "daemon version after A stopped (rebalances x chunks)",
         both(versions, config.ep_size),
         per_rank(layout.version for layout in layouts),
         all(layout.version == versions for layout in layouts),
@@ -443,7 +445,7 @@ def run_case1(workspace: Workspace) -> CaseResult:
     line = startup_line(b_reports[0])
     logged = [f"at version {versions} " in (startup_line(r) or "") for r in b_reports]
     result.check(
-        "B logs that it routes with the daemon's layout at it",
+        "B logs: routes with the daemon's layout at it",
         both("yes", config.ep_size),
         per_rank(_yes(value) for value in logged),
         all(logged),
@@ -456,7 +458,7 @@ def run_case1(workspace: Workspace) -> CaseResult:
     )
     b_correct = sum(r["matching"] for r in b_reports)
     result.check(
-        "B: slots holding the expert B's map names (read by B)",
+        "B: slots holding the expert B's map names (B's view)",
         slots(config.all_slots, config),
         slots(b_correct, config),
         b_correct == config.all_slots,
@@ -495,7 +497,7 @@ def run_case1_without_plugin(workspace: Workspace, plugin_a_map: Map | None) -> 
     expert_dir = workspace.experts("case1-no-plugin")
     replies = query_daemons(daemons)
     result.check(
-        "sglang's daemon keeps no layout (expert_layout_query)",
+        "sglang's own daemon answers expert_layout_query",
         both("older_daemon", config.ep_size),
         per_rank(reply.outcome.value for reply in replies),
         all(reply.outcome is client.Outcome.OLDER_DAEMON for reply in replies),
@@ -531,7 +533,7 @@ def run_case1_without_plugin(workspace: Workspace, plugin_a_map: Map | None) -> 
     held = held_map(expert_dir)
     wrong = config.all_slots - matching(held, b_map)
     result.check(
-        "B: slots read wrongly (another expert than B's map names)",
+        "B: slots read wrongly (not the expert B's map names)",
         "> 0 (the bug)",
         slots(wrong, config),
         wrong > 0,
@@ -605,7 +607,7 @@ def run_case2(workspace: Workspace) -> CaseResult:
     paused = engine_a.rebalance(with_standby)
     held_during = held_map(expert_dir)
     result.check(
-        f"A's {with_standby} rebalances with C attached: begins busy, paused",
+        f"A's {with_standby} rebalances with C attached: busy, paused",
         both(with_standby, config.ep_size),
         per_rank(r["state"]["rebalances_paused"] for r in paused),
         all(r["state"]["rebalances_paused"] == with_standby for r in paused),
@@ -679,7 +681,7 @@ def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any]]:
     committed = k * chunks + 1
     layouts = [reply.layout for reply in query_daemons(daemons)]
     result.check(
-        "(a) A stopped between chunks: daemon versions, nothing pending",
+        "(a) stopped between chunks: version, none pending",
         both(committed, config.ep_size),
         per_rank(layout.version for layout in layouts),
         all(layout.version == committed and layout.pending is None for layout in layouts),
@@ -687,7 +689,7 @@ def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any]]:
     engine_a.kill()
     layouts = wait_for_daemons(daemons, lambda layout: not layout.attached, "A detached")
     result.check(
-        "(a) after SIGKILL: A detached (socket EOF), daemons clean",
+        "(a) SIGKILL: A detached (socket EOF), daemons",
         both("clean", config.ep_size),
         per_rank("dirty" if layout.dirty else "clean" for layout in layouts),
         not any(layout.dirty for layout in layouts),
@@ -726,16 +728,17 @@ def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any]]:
     stopped = engine_a.stop_in_move(k)
     a_id = engine_a.engine_id
     layouts = [reply.layout for reply in query_daemons(daemons)]
-    expected_pending = f"A, layers {first_chunk}, base {base}"
+    expected_pending = f"layers {_layers(0, len(first_chunk))}, base {base}"
     result.check(
-        "(b) A stopped in the move after begin: pending on each daemon",
+        "(b) stopped in the move after begin: A's pending",
         both(expected_pending, config.ep_size),
         per_rank(
             "none"
             if layout.pending is None
             else (
-                f"{'A' if layout.pending.engine_id == a_id else layout.pending.engine_id}, "
-                f"layers {list(layout.pending.layers)}, base {layout.pending.base_version}"
+                ("" if layout.pending.engine_id == a_id else f"{layout.pending.engine_id}: ")
+                + f"layers {_layer_list(layout.pending.layers)}, base "
+                f"{layout.pending.base_version}"
             )
             for layout in layouts
         ),
@@ -750,7 +753,7 @@ def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any]]:
     held = held_map(expert_dir)
     committed_map = layouts[0].physical_to_logical_map
     result.info(
-        f"(b) slots already moved (layer {first_chunk[0]}; adopting {base} would misread them)",
+        "(b) slots already moved (B would misread them)",
         slots(config.all_slots - matching(held, committed_map), config),
     )
     engine_a.kill()
@@ -764,9 +767,14 @@ def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any]]:
     engine_b = workspace.launch("case3-in-move", "B", daemons, expert_dir)
     refusals = engine_b.failed
     result.check(
-        "(b) B refuses to start",
-        both("ExpertLayoutStartupError", config.ep_size),
-        per_rank(r["error_type"] for r in refusals) if refusals else "started",
+        "(b) B refuses to start (ExpertLayoutStartupError)",
+        both("refused", config.ep_size),
+        per_rank(
+            "refused" if r["error_type"] == "ExpertLayoutStartupError" else r["error_type"]
+            for r in refusals
+        )
+        if refusals
+        else "started",
         len(refusals) == config.ep_size
         and all(r["error_type"] == "ExpertLayoutStartupError" for r in refusals),
     )
@@ -778,7 +786,7 @@ def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any]]:
         f"version {base}",
     ]
     result.check(
-        "(b) B's reason names: dirty, engine A, its layers, base version",
+        "(b) B's reason names dirty, A, layers, base version",
         "all 4",
         f"{sum(name in reason for name in names)} of 4",
         all(name in reason for name in names),
@@ -796,7 +804,14 @@ def _layers(first: int, end: int) -> str:
 
 
 def _layers_where(after: Map, before: Map, *, moved: bool) -> str:
-    layers = [layer for layer in range(len(after)) if (after[layer] != before[layer]) == moved]
+    return _layer_list(
+        [layer for layer in range(len(after)) if (after[layer] != before[layer]) == moved]
+    )
+
+
+def _layer_list(layers: Sequence[int]) -> str:
+    """``0-3`` for a run of layers, else the layers listed."""
+    layers = list(layers)
     if not layers:
         return "none"
     if layers == list(range(layers[0], layers[-1] + 1)):
@@ -943,7 +958,9 @@ def run_demo(
 ) -> DemoRun:
     """Every case in order; ``on_case`` sees each result as soon as it is ready."""
     run = DemoRun(workspace.config)
-    run.forkserver_seconds = workspace.start_processes()
+    if workspace.context is None:
+        workspace.start_processes()
+    run.forkserver_seconds = workspace.startup_seconds
 
     def done(case: CaseResult) -> CaseResult:
         run.cases.append(case)
