@@ -41,7 +41,7 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext
@@ -98,6 +98,28 @@ def engine_process_context() -> ForkServerContext:
             else:
                 os.environ[key] = value
     return context
+
+
+def release_forkserver() -> None:
+    """In a forkserver child: close its copy of the forkserver's keep-alive pipe.
+
+    multiprocessing hands every forkserver child the write end of that pipe (so the child could
+    start processes through the same server), and the server exits only once every copy is
+    closed. A child that keeps it, a daemon serving forever say, therefore keeps the server
+    alive after the process that started them all was SIGKILLed, and with it every child whose
+    parent-death signal waits for the server. Closed here, the server exits with that process
+    and ``kill_itself_when_parent_died`` takes the children down. Private to multiprocessing
+    (``forkserver._forkserver._forkserver_alive_fd``, CPython 3.10-3.12); a missing attribute is
+    ignored. The child can no longer start processes itself.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(alive_fd, int):
+        with contextlib.suppress(OSError):
+            os.close(alive_fd)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
 
 
 def free_port() -> int:
@@ -559,6 +581,12 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     """
     _log_to(spec.log_path(rank))
     os.environ.update(SGLANG_QUIET_ENV)
+    from sglang.srt.utils import kill_itself_when_parent_died
+
+    # Die with the forkserver, which exits with the process that started it: a rank stopped
+    # for a SIGKILL never outlives a parent that was itself killed before sending it.
+    release_forkserver()
+    kill_itself_when_parent_died()
     capture = _LogCapture()
     logging.getLogger("sglang_integration").addHandler(capture)
     engine = _EngineRank(spec, rank, capture)
@@ -700,8 +728,7 @@ class CpuEngine:
 
     def exit(self, timeout: float = 30.0) -> None:
         """A clean stop: every rank closes its attachment and returns."""
-        alive = [c for c, p in zip(self.channels, self.processes, strict=True) if p.is_alive()]
-        if len(alive) == len(self.processes):
+        if all(process.is_alive() for process in self.processes):
             self.ask("exit", timeout)
         self.join(timeout)
         self.kill()
@@ -767,15 +794,3 @@ class CpuEngine:
                 continue
             tails.append(f"\n--- last lines of {path}:\n" + "\n".join(text))
         return "".join(tails)
-
-
-@contextlib.contextmanager
-def launched(
-    spec: EngineSpec, context: ForkServerContext | None = None, timeout: float = 120.0
-) -> Iterator[CpuEngine]:
-    """``CpuEngine.launch`` whose ranks are killed on the way out, whatever happened."""
-    engine = CpuEngine.launch(spec, context, timeout)
-    try:
-        yield engine
-    finally:
-        engine.kill()

@@ -181,21 +181,40 @@ class Workspace:
         return path
 
     def daemons(self, case: str, record: str = "ledger") -> list[Any]:
-        """One daemon per EP rank, serving when this returns."""
-        from sglang_integration.testing.daemon_control import start_daemon
+        """One model-less daemon per EP rank, serving when this returns.
+
+        As ``daemon_control.start_daemon`` starts them, except that each releases its copy of
+        the forkserver's keep-alive pipe first (``release_forkserver``), so that no daemon
+        outlives this process even when it is SIGKILLed.
+        """
+        from sglang_integration.testing.daemon_control import (
+            DaemonProcess,
+            daemon_argv,
+            wait_until_serving,
+        )
 
         config = self.config
+        directory = self.case_dir(case)
         started = []
         for rank in range(config.ep_size):
-            daemon = start_daemon(
-                self.case_dir(case),
-                f"daemon{rank}",
+            name = f"daemon{rank}"
+            socket_path = str(directory / f"{name}.sock")
+            ledger = str(directory / f"{name}.sqlite") if record == "ledger" else None
+            argv = daemon_argv(
+                socket_path,
+                ledger,
                 num_layers=config.num_layers,
                 num_logical_experts=config.num_logical_experts,
                 num_physical_experts=config.num_physical_slots,
                 record=record,
             )
+            daemon = DaemonProcess(socket_path, ledger, str(directory / f"{name}.log"), argv)
+            daemon.process = self.context.Process(
+                target=_run_daemon, args=(argv, daemon.log_path), daemon=True
+            )
+            daemon.process.start()
             self._daemons.append(daemon)
+            wait_until_serving(socket_path, daemon.is_alive, describe=daemon.log)
             started.append(daemon)
         return started
 
@@ -297,6 +316,17 @@ def _import_parent_side() -> None:
     # sglang's framing of every daemon request (it imports sglang), and torch.
     for module in ("sglang.srt.weight_cache.protocol", "sglang_integration.testing.shared_experts"):
         importlib.import_module(module)
+
+
+def _run_daemon(argv: list[str], log_path: str) -> None:
+    """Forkserver child: the model-less daemon's ``main``, output to ``log_path``."""
+    from sglang_integration.testing import daemon
+    from sglang_integration.testing.cpu_engine import release_forkserver
+    from sglang_integration.testing.daemon_control import redirect_output
+
+    release_forkserver()
+    redirect_output(log_path)
+    raise SystemExit(daemon.main(argv))
 
 
 def _nothing() -> None:
