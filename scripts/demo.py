@@ -108,9 +108,8 @@ def render_forensics(case: Any) -> str:
         table = [columns, *[[str(value) for value in row] for row in rows]]
         widths = [max(len(str(row[i])) for row in table) for i in range(len(columns))]
         for row in table:
-            lines.append(
-                "  " + " | ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True))
-            )
+            cells = [str(v).ljust(w) for v, w in zip(row, widths, strict=True)]
+            lines.append(("  " + " | ".join(cells)).rstrip())
         lines.append(f"  ({len(rows)} row{'s' if len(rows) != 1 else ''})")
         lines.append("")
     return "\n".join(lines)
@@ -147,7 +146,9 @@ def render_case1_side_by_side(run: Any) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = ["Case 1 side by side (the proposal's GPU table, on the CPU)"]
     for index, row in enumerate(rows):
-        lines.append("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)))
+        lines.append(
+            ("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row))).rstrip()
+        )
         if index == 0:
             lines.append("  " + "-" * (sum(widths) + 4))
     return "\n".join(lines) + "\n"
