@@ -107,17 +107,28 @@ def reconstructible_from(conn: Connection, incarnation_id: int) -> int:
     return int(value or 0)
 
 
-_ROW_AT = text(
-    "SELECT slots FROM layout_rows WHERE incarnation_id = :i AND layer = :l AND version <= :v "
-    "ORDER BY version DESC LIMIT 1"
+# One statement, one index seek per layer: for each layer 0..n-1, the newest row at or before
+# the version (the unique (incarnation_id, layer, version) index, searched backwards). Its cost
+# grows with the number of layers and the index's depth, never with the history's length.
+_ROWS_AT = text(
+    "WITH RECURSIVE layers(layer) AS ("
+    "  SELECT 0 UNION ALL SELECT layer + 1 FROM layers WHERE layer + 1 < :n"
+    ") "
+    "SELECT layer, ("
+    "  SELECT slots FROM layout_rows"
+    "  WHERE incarnation_id = :i AND layer = layers.layer AND version <= :v"
+    "  ORDER BY version DESC LIMIT 1"
+    ") AS slots FROM layers ORDER BY layer"
 )
 
 
 def row_jsons_at(conn: Connection, inc: Incarnation, version: int) -> list[str]:
     """Each layer's row JSON at ``version``: one index seek per layer."""
+    rows = conn.execute(
+        _ROWS_AT, {"n": inc.geometry.num_layers, "i": inc.incarnation_id, "v": version}
+    ).all()
     jsons = []
-    for layer in range(inc.geometry.num_layers):
-        slots = conn.execute(_ROW_AT, {"i": inc.incarnation_id, "l": layer, "v": version}).scalar()
+    for layer, slots in rows:
         if slots is None:
             raise LedgerStorageError(
                 f"incarnation {inc.incarnation_id} has no row for layer {layer} at or before "

@@ -285,23 +285,27 @@ def test_a_start_map_with_the_wrong_shape_or_values_is_refused(ledger):
 def test_reconstructing_the_current_map_costs_one_seek_per_layer_whatever_the_history(
     ledger, record
 ):
-    """O(layers): the reader issues exactly num_layers row lookups for any history length."""
-    from sqlalchemy import event
+    """O(layers): one statement whose plan seeks the layer/version index once per layer and never
+    scans layout_rows, so its cost does not grow with the number of versions."""
+    from layout_ledger.reader import _ROWS_AT
 
     rng = random.Random(0)
     for _ in range(200):
         move(record, "A", [rng.randrange(8)], rng)
+    with LedgerReader(ledger.path) as reader, reader.connect() as conn:
+        sql = str(_ROWS_AT.compile(compile_kwargs={"literal_binds": False}))
+        plan = conn.exec_driver_sql(
+            "EXPLAIN QUERY PLAN " + sql.replace(":n", "8").replace(":i", "1").replace(":v", "150")
+        ).all()
+        details = [row[-1] for row in plan]
+        assert any(
+            "SEARCH layout_rows USING INDEX" in d and "layer=? AND version<?" in d for d in details
+        ), details
+        assert not any(d.startswith("SCAN layout_rows") for d in details), details
     statements = []
+    from sqlalchemy import event
+
     with LedgerReader(ledger.path) as reader:
         event.listen(reader._engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
-        reader.state()
-    row_lookups = [s for s in statements if "FROM layout_rows" in s]
-    assert len(row_lookups) == SMALL.num_layers
-    plan = ledger._conn.exec_driver_sql(
-        "EXPLAIN QUERY PLAN SELECT slots FROM layout_rows WHERE incarnation_id = 1 AND layer = 3 "
-        "AND version <= 150 ORDER BY version DESC LIMIT 1"
-    ).all()
-    ledger._conn.rollback()
-    assert any("USING INDEX" in row[-1] and "layer=? AND version<?" in row[-1] for row in plan), (
-        plan
-    )
+        assert reader.state() == record.snapshot()
+    assert sum("FROM layout_rows" in s for s in statements) == 1
