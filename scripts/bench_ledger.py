@@ -37,28 +37,45 @@ ALL_LAYERS = list(range(GEOMETRY.num_layers))
 
 
 class JsonFileRecord(LayoutRecord):
-    """The baseline: every change rewrites the whole state as one JSON file, atomically.
+    """The baseline: every change rewrites the whole state as one JSON file, atomically
+    (write, fsync, rename, fsync the directory). It keeps no history.
 
-    It keeps the map as lists (as a JSON-file design would) and serializes it with
-    ``json.dumps`` (the C encoder) on every change; it keeps no history.
+    ``reuse_row_json=False`` serializes the map with ``json.dumps`` (the C encoder) on every
+    change, as a JSON-file design would. ``reuse_row_json=True`` favours the baseline: it
+    builds the file from the per-row JSON text the record already computed for the digest, so
+    all it pays beyond the in-memory record is the write and its two fsyncs.
     """
 
-    def __init__(self, path: Path, *args: object) -> None:
+    def __init__(self, path: Path, reuse_row_json: bool, *args: object) -> None:
         super().__init__(*args)  # type: ignore[arg-type]
         self.path = path
+        self.reuse_row_json = reuse_row_json
 
     def _persist(self, *events: ev.Event, rows: Mapping[int, str] | None = None) -> None:
-        current = [list(row) for row in self._rows]
-        for layer, text in (rows or {}).items():
-            current[layer] = json.loads(text)
-        state = {
-            "version": events[-1].new_version if rows else self.version,
-            "digest": events[-1].digest_after if rows else self.digest,
-            "physical_to_logical_map": current,
-            "pending": None if self.pending is None else self.pending.to_protocol(),
-        }
+        last = events[-1]
+        version = last.new_version if rows else self.version
+        digest = last.digest_after if rows else self.digest
+        pending = None if self.pending is None else self.pending.to_protocol()
+        if self.reuse_row_json:
+            row_jsons = list(self._row_jsons)
+            for layer, text in (rows or {}).items():
+                row_jsons[layer] = text
+            data = (
+                f'{{"version":{version},"digest":"{digest}","pending":{json.dumps(pending)},'
+                f'"physical_to_logical_map":[{",".join(row_jsons)}]}}'
+            ).encode()
+        else:
+            current = [list(row) for row in self._rows]
+            for layer, row in (self.pending_rows or {}).items():
+                current[layer] = row
+            state = {
+                "version": version,
+                "digest": digest,
+                "pending": pending,
+                "physical_to_logical_map": current,
+            }
+            data = json.dumps(state, separators=(",", ":")).encode()
         tmp = self.path.with_suffix(".tmp")
-        data = json.dumps(state, separators=(",", ":")).encode()
         with open(tmp, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -69,6 +86,17 @@ class JsonFileRecord(LayoutRecord):
             os.fsync(directory)
         finally:
             os.close(directory)
+
+    pending_rows: dict[int, list[int]] | None = None
+
+    def commit(self, engine_id: object, rows: object) -> tuple[int, str]:
+        # The validated rows as lists, for the json.dumps variant (the base class hands
+        # _persist only their JSON text); set before, cleared after, no extra validation.
+        self.pending_rows = rows if isinstance(rows, dict) else None
+        try:
+            return super().commit(engine_id, rows)
+        finally:
+            self.pending_rows = None
 
 
 def random_rows(rng: random.Random, layers: list[int]) -> dict[int, list[int]]:
@@ -97,8 +125,11 @@ def bench_commit(workdir: Path, commits: int) -> dict[str, list[float]]:
     records = {
         "ledger (SQLite, WAL, synchronous=FULL)": ledger.start_incarnation(GEOMETRY, initial),
         "in-memory record (no persistence)": MemoryRecord(1, GEOMETRY, initial),
-        "atomic JSON rewrite (write, fsync, rename, fsync dir)": JsonFileRecord(
-            workdir / "layout.json", 1, GEOMETRY, initial
+        "atomic JSON rewrite, json.dumps of the map": JsonFileRecord(
+            workdir / "dumps.json", False, 1, GEOMETRY, initial
+        ),
+        "atomic JSON rewrite, reusing the row JSON (favoured)": JsonFileRecord(
+            workdir / "rows.json", True, 1, GEOMETRY, initial
         ),
     }
     timings: dict[str, list[float]] = {name: [] for name in records}
@@ -191,7 +222,7 @@ def main() -> None:
         row_bytes = bench_row_bytes(workdir, 50)
         week_final, week_peak = bench_week(workdir, week)
 
-    ledger_name, memory_name, json_name = list(timings)
+    ledger_name, memory_name, json_name, favoured_name = list(timings)
     print(
         f"Ledger benchmark, {GEOMETRY.num_layers} layers x {GEOMETRY.num_physical_slots} slots, "
         f"{GEOMETRY.num_logical_experts} experts, {os.cpu_count()} CPUs"
@@ -203,8 +234,10 @@ def main() -> None:
         print(f"    {name:58s} {ms(statistics.median(values)):>10s} {ms(pct(values, 0.99)):>10s}")
     ledger_median = statistics.median(timings[ledger_name])
     vs_json = ledger_median / statistics.median(timings[json_name])
+    vs_favoured = ledger_median / statistics.median(timings[favoured_name])
     vs_memory = ledger_median / statistics.median(timings[memory_name])
     print(f"    ledger / JSON rewrite median:  {vs_json:.2f}   (target <= 1.00)")
+    print(f"    ledger / favoured JSON median: {vs_favoured:.2f}")
     print(f"    ledger / in-memory median:     {vs_memory:.2f}")
     ledger_p99 = ms(pct(timings[ledger_name], 0.99))
     print(f"    ledger p99:                    {ledger_p99}   (target < 10 ms)")
