@@ -49,55 +49,23 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from sglang_integration.testing.daemon_control import QUIET_ENV
+
 logger = logging.getLogger(__name__)
 
-SGLANG_QUIET_ENV = {
-    "SGLANG_DISABLED_MODEL_ARCHS": "falcon_mamba,inkling,mamba,midashenglm",
-    "GLOO_SOCKET_IFNAME": "lo",
-}
+# sglang's import noise off, gloo on loopback (the one dict lives with the forkserver).
+SGLANG_QUIET_ENV = QUIET_ENV
 
-# Beyond the daemon's modules (``daemon_control.PRELOAD_MODULES``): what an engine rank imports.
-ENGINE_PRELOAD = (
-    "sglang.srt.model_executor.model_runner",
-    "sglang.srt.weight_cache.ipc_loader",
-    "sglang.srt.server_args",
-    "sglang.srt.configs.model_config",
-    "sglang.srt.models.registry",  # imports every model module: the first arch lookup
-    "sglang.srt.eplb.eplb_manager",
-    "sglang.srt.eplb.expert_location_updater",
-    "sglang_integration.plugin",
-    "sglang_integration.engine_startup",
-    "sglang_integration.loader_hooks",
-    "sglang_integration.expert_metadata",
-    "sglang_integration.rebalance",
-    "sglang_integration.testing.shared_experts",
-)
 
 # Seconds a blocked rank sleeps per turn while it waits to be killed.
 _BLOCK_SLEEP = 3600.0
 
 
 def engine_process_context() -> ForkServerContext:
-    """The forkserver context, its server started now with the daemon and engine modules.
+    """The forkserver context, its server running (``daemon_control.process_context``)."""
+    from sglang_integration.testing.daemon_control import process_context
 
-    Start it before the first daemon: the server's preload list is fixed when it starts, and
-    ``daemon_control.start_daemon`` alone would start it with the daemon's modules only.
-    """
-    from sglang_integration.testing.daemon_control import PRELOAD_MODULES, process_context
-
-    context = process_context()
-    context.set_forkserver_preload([*PRELOAD_MODULES, *ENGINE_PRELOAD])
-    saved = {key: os.environ.get(key) for key in SGLANG_QUIET_ENV}
-    os.environ.update(SGLANG_QUIET_ENV)  # the server reads these while it imports
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return context
+    return process_context()
 
 
 def release_forkserver() -> None:

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 # Imported once by the forkserver; a module missing here is imported by each child instead.
+# One list for daemons and engine ranks alike: the server's preload list is fixed when it first
+# starts, and whichever test or demo starts it first decides for everyone after.
 PRELOAD_MODULES = (
     "sglang.srt.weight_cache.daemon",
     "sglang.srt.weight_cache.protocol",
@@ -55,19 +57,48 @@ PRELOAD_MODULES = (
     "sglang_integration.daemon_hooks",
     "sglang_integration.testing.daemon",
     "sglang_integration.testing.daemon_control",
+    # what an engine rank imports (sglang_integration.testing.cpu_engine)
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.weight_cache.ipc_loader",
+    "sglang.srt.server_args",
+    "sglang.srt.configs.model_config",
+    "sglang.srt.models.registry",  # imports every model module: the first arch lookup
+    "sglang.srt.eplb.eplb_manager",
+    "sglang.srt.eplb.expert_location_updater",
+    "sglang_integration.plugin",
+    "sglang_integration.engine_startup",
+    "sglang_integration.loader_hooks",
+    "sglang_integration.expert_metadata",
+    "sglang_integration.rebalance",
+    "sglang_integration.testing.shared_experts",
 )
 
-QUIET_ENV = {"SGLANG_DISABLED_MODEL_ARCHS": "falcon_mamba,inkling,mamba,midashenglm"}
+# sglang's import noise off, gloo on loopback: for the forkserver and every process it starts.
+QUIET_ENV = {
+    "SGLANG_DISABLED_MODEL_ARCHS": "falcon_mamba,inkling,mamba,midashenglm",
+    "GLOO_SOCKET_IFNAME": "lo",
+}
 START_TIMEOUT = 90.0
 REQUEST_TIMEOUT = 30.0
 
 
 def process_context() -> ForkServerContext:
-    """The forkserver context (its server preloads ``PRELOAD_MODULES`` when it first starts)."""
+    """The forkserver context, its server running (started with ``PRELOAD_MODULES`` imported
+    and ``QUIET_ENV`` set, which its children inherit)."""
     context = multiprocessing.get_context("forkserver")
     if not isinstance(context, ForkServerContext):
         raise RuntimeError("this platform has no multiprocessing forkserver")
     context.set_forkserver_preload(list(PRELOAD_MODULES))
+    saved = {key: os.environ.get(key) for key in QUIET_ENV}
+    os.environ.update(QUIET_ENV)  # the server reads these while it imports
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return context
 
 
