@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from sglang_integration.testing.cpu_engine import write_tiny_moe_config
 from sglang_integration.testing.daemon_control import process_context, redirect_output
 
 pytestmark = pytest.mark.timeout(180)
@@ -39,34 +40,6 @@ INITIAL = [
     [(slot * 3 + layer) % NUM_LOGICAL for slot in range(NUM_LOGICAL)] + [layer, layer + 1]
     for layer in range(NUM_LAYERS)
 ]
-
-
-def write_tiny_qwen3_moe(directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "moe_intermediate_size": 8,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 8,
-        "num_experts": NUM_LOGICAL,
-        "num_experts_per_tok": 2,
-        "vocab_size": 64,
-        "max_position_embeddings": 128,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "norm_topk_prob": True,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "torch_dtype": "bfloat16",
-        "tie_word_embeddings": False,
-    }
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
 
 
 def run_isolated(target: Any, directory: Path, *args: Any) -> dict[str, Any]:
@@ -93,7 +66,7 @@ def _use_sglangs_cpu_platform() -> None:
 def _server_args(directory: Path, enable_eplb: bool) -> Any:
     from sglang.srt.server_args import ServerArgs
 
-    model_dir = write_tiny_qwen3_moe(directory / "model")
+    model_dir = write_tiny_moe_config(directory / "model", NUM_LAYERS, NUM_LOGICAL)
     extra: dict[str, Any] = {}
     if enable_eplb:
         extra = {
