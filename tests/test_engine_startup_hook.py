@@ -39,7 +39,12 @@ import pytest
 
 from layout_ledger import messages
 from layout_ledger.layout import layout_digest, trivial_map
-from sglang_integration.testing.cpu_engine import SGLANG_QUIET_ENV, free_port, write_tiny_moe_config
+from sglang_integration.testing.cpu_engine import (
+    SGLANG_QUIET_ENV,
+    LogCapture,
+    free_port,
+    write_tiny_moe_config,
+)
 from sglang_integration.testing.daemon_control import DaemonProcess
 
 NUM_LAYERS = 3
@@ -172,15 +177,6 @@ def scripted_peer(path: Path, handle: Any) -> Iterator[list[socket.socket]]:
 # --- engine ranks -----------------------------------------------------------------------------
 
 
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[tuple[str, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append((record.levelname, record.getMessage()))
-
-
 def _server_args(scenario: dict[str, Any], rank: int, world_size: int) -> Any:
     from sglang.srt.server_args import ServerArgs
 
@@ -257,7 +253,7 @@ def _fetch(scenario: dict[str, Any], rank: int, model_config: Any) -> dict[str, 
     return outcome
 
 
-def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture: _Capture) -> Any:
+def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture: LogCapture) -> Any:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -271,7 +267,7 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     get_resources().expert_location_metadata = None
     for key, value in scenario.get("env", {}).items():
         os.environ[key] = value
-    capture.records.clear()
+    capture.take()  # drop the lines of an earlier scenario
     args = _server_args(scenario, rank, world_size)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
     model_config = ModelConfig.from_server_args(args)
@@ -308,7 +304,7 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     )
     if scenario.get("fetch") and report["error"] is None:
         report["fetch"] = _fetch(scenario, rank, model_config)
-    report["logs"] = list(capture.records)
+    report["logs"] = capture.take()
     for key in scenario.get("env", {}):
         os.environ.pop(key, None)
     return report
@@ -331,7 +327,7 @@ def _rank_main(
     from sglang_integration import engine_startup, loader_hooks
 
     expert_distribution.get_device = lambda device_id=None: "cpu"
-    capture = _Capture()
+    capture = LogCapture()
     logging.getLogger("sglang_integration").addHandler(capture)
     logging.getLogger("sglang_integration").setLevel(logging.INFO)
     base_args = _server_args(base, rank, world_size)

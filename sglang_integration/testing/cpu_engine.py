@@ -291,7 +291,7 @@ def block_until_killed() -> None:
         time.sleep(_BLOCK_SLEEP)
 
 
-class _LogCapture(logging.Handler):
+class LogCapture(logging.Handler):
     """The plugin's log lines of this rank, handed back with the next report."""
 
     def __init__(self) -> None:
@@ -319,7 +319,7 @@ def _counters_on_the_cpu() -> None:
 class _EngineRank:
     """One engine rank: startup, then the commands of ``run_engine_rank``."""
 
-    def __init__(self, spec: EngineSpec, rank: int, capture: _LogCapture) -> None:
+    def __init__(self, spec: EngineSpec, rank: int, capture: LogCapture) -> None:
         self.spec = spec
         self.rank = rank
         self.capture = capture
@@ -555,7 +555,7 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     # for a SIGKILL never outlives a parent that was itself killed before sending it.
     release_forkserver()
     kill_itself_when_parent_died()
-    capture = _LogCapture()
+    capture = LogCapture()
     logging.getLogger("sglang_integration").addHandler(capture)
     engine = _EngineRank(spec, rank, capture)
     try:
