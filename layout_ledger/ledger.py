@@ -214,29 +214,31 @@ class Ledger:
 
     def _end_unended(self, conn: Connection, at: str) -> None:
         """End incarnations a killed daemon left open; warn when the last one ended badly."""
-        previous = None
+        previous: tuple[int, str | None] | None = None
         for inc in reader.incarnations(conn):
+            end_state = inc.end_state
             if inc.ended_at is None:
                 dirty = reader.dirty_mark(conn, inc.incarnation_id)
                 pending = reader.pending_move(conn, inc.incarnation_id)
-                state = "dirty" if dirty is not None else "unknown"
+                end_state = "dirty" if dirty is not None else "unknown"
                 reason = "the daemon did not shut down cleanly (found unended at the next start)"
                 if pending is not None:
                     reason += (
                         f"; a move was pending (engine {pending.engine_id!r}, layers "
                         f"{list(pending.layers)}, from version {pending.base_version})"
                     )
-                _end(conn, inc.incarnation_id, at, state, reason)
-            previous = reader.incarnation(conn, inc.incarnation_id)
-        if previous is not None and previous.end_state in ("dirty", "unknown"):
+                _end(conn, inc.incarnation_id, at, end_state, reason)
+            previous = (inc.incarnation_id, end_state)
+        if previous is not None and previous[1] in ("dirty", "unknown"):
+            incarnation_id, end_state = previous
             logger.warning(
                 "expert layout ledger %s: the previous daemon incarnation %d ended %s; its "
                 "history stays in the ledger (layout-ledger history %s --incarnation %d)",
                 self.path,
-                previous.incarnation_id,
-                previous.end_state,
+                incarnation_id,
+                end_state,
                 self.path,
-                previous.incarnation_id,
+                incarnation_id,
             )
 
     def _start_maintenance(self) -> None:
