@@ -19,7 +19,7 @@ from layout_ledger.migrate import file_revision, upgrade_to_head
 from layout_ledger.reader import LedgerReader
 from layout_ledger.report import JsonObject
 from layout_ledger.schema import SCHEMA_HEAD
-from layout_ledger.storage import WriterLock, open_writer_engine
+from layout_ledger.storage import open_writer
 
 
 def _require_existing(path: Path) -> None:
@@ -80,7 +80,7 @@ def prune_ledger(path: str | Path, keep: int, incarnation_id: int | None = None)
             report.incarnation_id: report.rows_removed
             for report in ledger.prune(keep, incarnation_id)
         }
-        with ledger.reading() as conn:
+        with ledger.transaction("reading") as conn:
             targets = (
                 [reader.incarnation(conn, incarnation_id)]
                 if incarnation_id is not None
@@ -152,25 +152,19 @@ def upgrade_ledger(path: str | Path) -> UpgradeResult:
         pass
     else:
         return UpgradeResult(str(path), SCHEMA_HEAD, SCHEMA_HEAD)
-    lock = WriterLock(path)
-    try:
-        engine = open_writer_engine(path)
+    with open_writer(path, create=False) as writer:
+        conn = writer.connection
         try:
-            with engine.connect() as conn:
-                revision = file_revision(conn)
-                if revision is None:
-                    raise LedgerFileError(f"{path} is an empty SQLite file, not a ledger")
-                if conn.in_transaction():
-                    conn.commit()
-                upgrade_to_head(conn, path)
+            revision = file_revision(conn)
+            if revision is None:
+                raise LedgerFileError(f"{path} is an empty SQLite file, not a ledger")
+            if conn.in_transaction():
+                conn.commit()
+            upgrade_to_head(conn, path)
         except DBAPIError as exc:
             if "not a database" in str(exc.orig):
                 raise LedgerFileError(f"{path} is not an SQLite database") from exc
             raise LedgerStorageError(f"upgrading ledger {path} failed: {exc.orig}") from exc
-        finally:
-            engine.dispose()
-    finally:
-        lock.release()
     return UpgradeResult(str(path), revision, SCHEMA_HEAD)
 
 

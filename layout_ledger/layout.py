@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,12 +153,17 @@ def validate_rows(rows: Any, layers: tuple[int, ...], geometry: Geometry) -> dic
         raise InvalidRequest(f"rows must be a dict {{layer: row}}, got {type(rows).__name__}")
     if len(rows) > geometry.num_layers:
         raise InvalidRequest(f"rows has {len(rows)} entries; the model has {geometry.num_layers}")
-    for key in rows:
+    check_row_layers(rows, layers)
+    return {layer: validate_row(rows[layer], geometry, f"row of layer {layer}") for layer in layers}
+
+
+def check_row_layers(row_layers: Collection[Any], layers: tuple[int, ...]) -> None:
+    """A commit's row keys must be int layers, exactly the pending ``layers``."""
+    for key in row_layers:
         if not is_int(key):
             raise InvalidRequest(f"rows key {key!r} ({type(key).__name__}) is not an int layer")
-    if set(rows) != set(layers):
+    if set(row_layers) != set(layers):
         raise InvalidRequest(
-            f"rows cover layers {sorted(rows)} but the pending move is of layers {list(layers)}; "
-            f"commit exactly the pending layers"
+            f"rows cover layers {sorted(row_layers)} but the pending move is of layers "
+            f"{list(layers)}; commit exactly the pending layers"
         )
-    return {layer: validate_row(rows[layer], geometry, f"row of layer {layer}") for layer in layers}

@@ -1,10 +1,12 @@
-"""The ledger file opened for writing by its one daemon process.
+"""The ledger file opened for writing by its one daemon process, and the journal it keeps.
 
-``Ledger.open(path)`` takes the writer lock, opens (or creates) the file, upgrades an older
-schema and refuses a newer one. ``start_incarnation`` ends whatever incarnation a crashed
-predecessor left open, records the new one at version 0, and returns its ``LedgerRecord``:
-the record's every change is one SQLite transaction, durable (``synchronous=FULL``) before the
-call returns, so a daemon replies ``ok`` only to what a crash cannot take back.
+``Ledger.open(path)`` takes the file through ``storage.open_writer`` (the one-writer lock, WAL),
+upgrades an older schema and refuses a newer one. ``start_incarnation`` ends whatever
+incarnation a killed predecessor left open (replaying its history through the record's rules to
+know how it stood), records the new one at version 0, and returns its ``LayoutRecord``, whose
+journal is a ``LedgerJournal``: every change is one SQLite transaction, durable
+(``synchronous=FULL``) before the call returns, so a daemon replies ``ok`` only to what a crash
+cannot take back.
 """
 
 from __future__ import annotations
@@ -14,24 +16,23 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
 from layout_ledger import events as ev
-from layout_ledger import maintenance, reader, schema
+from layout_ledger import maintenance, reader, replay
 from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
-from layout_ledger.layout import Geometry, Map, layout_digest, validate_map
+from layout_ledger.layout import Geometry, Map, validate_map
 from layout_ledger.maintenance import CheckpointResult, Maintenance
-from layout_ledger.migrate import check_ledger_or_empty, upgrade_to_head
-from layout_ledger.record import LayoutRecord
+from layout_ledger.migrate import upgrade_to_head
+from layout_ledger.record import END_FOUND_UNENDED, LayoutRecord
 from layout_ledger.state import utc_now
-from layout_ledger.storage import WriterLock, open_writer_engine
+from layout_ledger.storage import open_writer
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +64,6 @@ class PruneReport:
     rows_removed: int
 
 
-def _storage_error(action: str, path: Path, exc: DBAPIError) -> LedgerStorageError:
-    return LedgerStorageError(f"{action} ledger {path} failed: {exc.orig}")
-
-
 class Ledger:
     """One ledger file, owned for writing by this process."""
 
@@ -74,57 +71,53 @@ class Ledger:
         self.path = path
         self.retention = retention
         self._lock = threading.RLock()
-        check_ledger_or_empty(path)
-        self._writer_lock = WriterLock(path)
+        self._writer = open_writer(path)
         try:
-            self._engine = open_writer_engine(path)
-            self._conn: Connection = self._engine.connect()
+            self._conn: Connection = self._writer.connection
             upgrade_to_head(self._conn, path)
             if self._conn.in_transaction():
                 self._conn.commit()
         except DBAPIError as exc:
-            self._abandon()
+            self._writer.close()
             if "not a database" in str(exc.orig):
                 raise LedgerFileError(f"{path} is not an SQLite database") from exc
-            raise _storage_error("opening", path, exc) from exc
+            raise LedgerStorageError(f"opening ledger {path} failed: {exc.orig}") from exc
         except BaseException:
-            self._abandon()
+            self._writer.close()
             raise
-        self.record: LedgerRecord | None = None
+        self.record: LayoutRecord | None = None
         self.maintenance: Maintenance | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], retention: Retention | None = None) -> Ledger:
         return cls(Path(path), retention or Retention())
 
-    def _abandon(self) -> None:
-        engine = getattr(self, "_engine", None)
-        if engine is not None:
-            engine.dispose()
-        self._writer_lock.release()
-
     # --- transactions -------------------------------------------------------------------
 
     @contextmanager
     def transaction(self, action: str) -> Iterator[Connection]:
-        """One BEGIN IMMEDIATE ... COMMIT; rolled back (and a LedgerStorageError) on failure."""
+        """One BEGIN IMMEDIATE ... COMMIT on the SQLAlchemy connection (start, prune, reads)."""
         with self._lock:
             try:
                 with self._conn.begin():
                     yield self._conn
             except DBAPIError as exc:
-                raise _storage_error(action, self.path, exc) from exc
+                raise LedgerStorageError(f"{action} ledger {self.path} failed: {exc.orig}") from exc
 
     @contextmanager
-    def driver_transaction(self, action: str) -> Iterator[sqlite3.Connection]:
-        """The same transaction on the driver connection, for the per-request hot path.
+    def _journal_transaction(self) -> Iterator[sqlite3.Connection]:
+        """A journal append's transaction, on the driver connection (joins ``transaction``).
 
         Every record change runs here; skipping SQLAlchemy's per-statement execution context
-        is a third of what the ledger adds to a commit over an in-memory record.
+        is a third of what the ledger adds to a commit over an in-memory record. A failure
+        rolls the whole transaction back and becomes a ``LedgerStorageError``.
         """
         with self._lock:
-            driver = self._driver()
+            driver = self._writer.driver()
             try:
+                if self._conn.in_transaction():  # an incarnation's start: one transaction
+                    yield driver
+                    return
                 driver.execute("BEGIN IMMEDIATE")
                 try:
                     yield driver
@@ -133,24 +126,12 @@ class Ledger:
                     raise
                 driver.execute("COMMIT")
             except sqlite3.Error as exc:
-                if driver.in_transaction:
+                if driver.in_transaction and not self._conn.in_transaction():
                     driver.execute("ROLLBACK")
-                raise LedgerStorageError(f"{action} ledger {self.path} failed: {exc}") from exc
+                raise LedgerStorageError(f"writing to ledger {self.path} failed: {exc}") from exc
 
-    def _driver(self) -> sqlite3.Connection:
-        driver = self._conn.connection.dbapi_connection
-        if driver is None:
-            raise LedgerError(f"ledger {self.path} is closed")
-        return driver  # type: ignore[return-value]
-
-    @contextmanager
-    def reading(self) -> Iterator[Connection]:
-        with self._lock:
-            try:
-                with self._conn.begin():
-                    yield self._conn
-            except DBAPIError as exc:
-                raise _storage_error("reading", self.path, exc) from exc
+    def journal(self, incarnation_id: int) -> LedgerJournal:
+        return LedgerJournal(self, incarnation_id)
 
     # --- incarnations -------------------------------------------------------------------
 
@@ -161,7 +142,7 @@ class Ledger:
         *,
         config_fingerprint: str = "",
         daemon_label: str = "",
-    ) -> LedgerRecord:
+    ) -> LayoutRecord:
         """Record a daemon start at version 0 and return its record."""
         if self.record is not None:
             raise LedgerError(
@@ -169,38 +150,21 @@ class Ledger:
                 f"end it before starting another"
             )
         initial_map = validate_map(initial_map, geometry)
-        digest = layout_digest(initial_map)
         at = utc_now()
         with self.transaction("starting an incarnation in") as conn:
             self._end_unended(conn, at)
-            inserted = conn.execute(
-                schema.incarnations.insert().values(
-                    started_at=at,
-                    config_fingerprint=config_fingerprint,
-                    daemon_label=daemon_label,
-                    num_layers=geometry.num_layers,
-                    num_physical_slots=geometry.num_physical_slots,
-                    num_logical_experts=geometry.num_logical_experts,
-                    initial_map=json.dumps(initial_map, separators=(",", ":")),
-                    initial_digest=digest,
-                )
+            incarnation_id = _insert_incarnation(
+                _driver_of(conn),
+                at,
+                geometry,
+                initial_map=initial_map,
+                config_fingerprint=config_fingerprint,
+                daemon_label=daemon_label,
             )
-            incarnation_id = int(inserted.inserted_primary_key[0])  # type: ignore[index]
-            all_layers = tuple(range(geometry.num_layers))
-            record = LedgerRecord(self, int(incarnation_id), geometry, initial_map)
-            _insert_version(
-                conn,
-                record.incarnation_id,
-                ev.Event(
-                    at=at,
-                    kind=ev.START,
-                    layers=all_layers,
-                    new_version=0,
-                    digest_after=digest,
-                    reason=daemon_label or None,
-                ),
-                {layer: text_ for layer, text_ in enumerate(record.row_jsons())},
+            record = LayoutRecord(
+                self.journal(incarnation_id), incarnation_id, geometry, initial_map
             )
+            record.start(daemon_label, at)
         self.record = record
         self._prune_quietly()
         self._start_maintenance()
@@ -208,44 +172,46 @@ class Ledger:
             "expert layout ledger %s: incarnation %d started at version 0 (digest %s)",
             self.path,
             record.incarnation_id,
-            digest,
+            record.digest,
         )
         return record
 
     def _end_unended(self, conn: Connection, at: str) -> None:
         """End incarnations a killed daemon left open; warn when the last one ended badly."""
-        previous: tuple[int, str | None] | None = None
-        for inc in reader.incarnations(conn):
-            end_state = inc.end_state
+        known = reader.incarnations(conn)
+        last_state = None
+        for inc in known:
+            last_state = inc.end_state
             if inc.ended_at is None:
-                dirty = reader.dirty_mark(conn, inc.incarnation_id)
-                pending = reader.pending_move(conn, inc.incarnation_id)
-                end_state = "dirty" if dirty is not None else "unknown"
-                reason = "the daemon did not shut down cleanly (found unended at the next start)"
-                if pending is not None:
-                    reason += (
-                        f"; a move was pending (engine {pending.engine_id!r}, layers "
-                        f"{list(pending.layers)}, from version {pending.base_version})"
-                    )
-                _end(conn, inc.incarnation_id, at, end_state, reason)
-            previous = (inc.incarnation_id, end_state)
-        if previous is not None and previous[1] in ("dirty", "unknown"):
-            incarnation_id, end_state = previous
+                last_state = self._end_found_unended(conn, inc, at)
+        if known and last_state in ("dirty", "unknown"):
+            incarnation_id = known[-1].incarnation_id
             logger.warning(
                 "expert layout ledger %s: the previous daemon incarnation %d ended %s; its "
                 "history stays in the ledger (layout-ledger history %s --incarnation %d)",
                 self.path,
                 incarnation_id,
-                end_state,
+                last_state,
                 self.path,
                 incarnation_id,
             )
+
+    def _end_found_unended(self, conn: Connection, inc: reader.Incarnation, at: str) -> str:
+        """End one incarnation a killed daemon left open, as its replayed history stands."""
+        journal = self.journal(inc.incarnation_id)
+        try:
+            record = replay.replay_incarnation(conn, inc, then=journal)
+        except replay.ReplayMismatch as exc:
+            reason = f"{END_FOUND_UNENDED}; its history could not be replayed: {exc}"
+            journal.append([ev.Event(at=at, kind=ev.END, reason=ev.clip(f"unknown: {reason}"))])
+            return "unknown"
+        return record.end_found_unended(at)
 
     def _start_maintenance(self) -> None:
         if self.maintenance is not None:
             return
         with self._lock:
-            self._driver().execute("PRAGMA wal_autocheckpoint=0")
+            self._writer.driver().execute("PRAGMA wal_autocheckpoint=0")
         self.maintenance = Maintenance(
             self.path, self._prune_live_incarnation, self.retention.prune_every, self._lock
         )
@@ -266,15 +232,9 @@ class Ledger:
         record = self.record
         if record is None:
             return None
-        with record.lock:
-            state = "dirty" if (record.dirty or record.pending) else "clean"
-            reason = "daemon shut down"
-            if record.pending is not None:
-                reason += f" while a move of engine {record.pending.engine_id!r} was pending"
-            with self.transaction("ending the incarnation in") as conn:
-                _end(conn, record.incarnation_id, utc_now(), state, reason)
-            self.record = None
-            return state
+        state = record.shut_down()
+        self.record = None
+        return state
 
     def close(self) -> None:
         """End the live incarnation cleanly (if any), checkpoint, release the file."""
@@ -287,9 +247,7 @@ class Ledger:
             self.checkpoint(truncate=True)
         finally:
             with self._lock:
-                self._conn.close()
-                self._engine.dispose()
-                self._writer_lock.release()
+                self._writer.close()
 
     # --- retention and WAL ----------------------------------------------------------------
 
@@ -328,20 +286,29 @@ class Ledger:
     def checkpoint(self, *, truncate: bool = False) -> CheckpointResult:
         """Checkpoint on the writer connection, outside any transaction."""
         with self._lock:
-            return maintenance.checkpoint(self._driver(), self.path, truncate=truncate)
+            return maintenance.checkpoint(self._writer.driver(), self.path, truncate=truncate)
 
 
-def _end(conn: Connection, incarnation_id: int, at: str, state: str, reason: str) -> None:
-    conn.execute(
-        schema.incarnations.update()
-        .where(schema.incarnations.c.incarnation_id == incarnation_id)
-        .values(ended_at=at, end_state=state)
-    )
-    _insert_events(
-        conn,
-        incarnation_id,
-        [ev.Event(at=at, kind=ev.END, reason=f"{state}: {reason}")],
-    )
+class LedgerJournal:
+    """A record's journal on its ledger: each append is one durable transaction."""
+
+    def __init__(self, ledger: Ledger, incarnation_id: int) -> None:
+        self.ledger = ledger
+        self.incarnation_id = incarnation_id
+
+    def append(self, events: Sequence[ev.Event], rows: Mapping[int, str] | None = None) -> None:
+        """Events (with a start's or commit's version and rows) and an end's incarnation update."""
+        with self.ledger._journal_transaction() as driver:
+            if rows is not None:
+                (versioned,) = events
+                _insert_version(driver, self.incarnation_id, versioned, rows)
+            else:
+                _insert_events(driver, self.incarnation_id, events)
+            for event in events:
+                if event.kind == ev.END:
+                    _mark_ended(driver, self.incarnation_id, event)
+        if any(event.kind == ev.COMMIT for event in events) and self.ledger.maintenance:
+            self.ledger.maintenance.note_commit()
 
 
 # The hot path (every commit) inserts with prepared driver SQL and tuples; the statements name
@@ -355,20 +322,46 @@ _INSERT_VERSION = (
     "VALUES (?, ?, ?, ?, ?, ?)"
 )
 _INSERT_ROW = "INSERT INTO layout_rows (incarnation_id, layer, version, slots) VALUES (?, ?, ?, ?)"
+_INSERT_INCARNATION = (
+    "INSERT INTO incarnations (started_at, config_fingerprint, daemon_label, num_layers, "
+    "num_physical_slots, num_logical_experts, initial_map, initial_digest) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
 
 
-Driver = sqlite3.Connection
+def _insert_incarnation(
+    driver: sqlite3.Connection,
+    at: str,
+    geometry: Geometry,
+    *,
+    initial_map: Map,
+    config_fingerprint: str,
+    daemon_label: str,
+) -> int:
+    from layout_ledger.layout import layout_digest
+
+    cursor = driver.execute(
+        _INSERT_INCARNATION,
+        (
+            at,
+            config_fingerprint,
+            daemon_label,
+            geometry.num_layers,
+            geometry.num_physical_slots,
+            geometry.num_logical_experts,
+            json.dumps(initial_map, separators=(",", ":")),
+            layout_digest(initial_map),
+        ),
+    )
+    if cursor.lastrowid is None:
+        raise LedgerStorageError("the new incarnation got no id")
+    return int(cursor.lastrowid)
 
 
-def _driver_of(conn: Connection | Driver) -> Driver:
-    """The sqlite3 connection under a SQLAlchemy one (same transaction), or itself."""
-    if isinstance(conn, sqlite3.Connection):
-        return conn
-    return conn.connection.dbapi_connection  # type: ignore[return-value]
-
-
-def _insert_events(conn: Connection | Driver, incarnation_id: int, events: list[ev.Event]) -> None:
-    _driver_of(conn).executemany(
+def _insert_events(
+    driver: sqlite3.Connection, incarnation_id: int, events: Sequence[ev.Event]
+) -> None:
+    driver.executemany(
         _INSERT_EVENT,
         [
             (
@@ -388,13 +381,12 @@ def _insert_events(conn: Connection | Driver, incarnation_id: int, events: list[
 
 
 def _insert_version(
-    conn: Connection | Driver, incarnation_id: int, event: ev.Event, rows: Mapping[int, str]
+    driver: sqlite3.Connection, incarnation_id: int, event: ev.Event, rows: Mapping[int, str]
 ) -> None:
     """A version's versions row, layout rows and event, in the caller's transaction."""
     version = event.new_version
     if version is None or event.digest_after is None or event.layers is None:
         raise LedgerError(f"a {event.kind} event needs new_version, digest_after and layers")
-    driver = _driver_of(conn)
     driver.execute(
         _INSERT_VERSION,
         (
@@ -409,14 +401,23 @@ def _insert_version(
     driver.executemany(
         _INSERT_ROW, [(incarnation_id, layer, version, slots) for layer, slots in rows.items()]
     )
-    _insert_events(conn, incarnation_id, [event])
+    _insert_events(driver, incarnation_id, [event])
+
+
+def _mark_ended(driver: sqlite3.Connection, incarnation_id: int, end: ev.Event) -> None:
+    """An end event's reason starts with the end state (``record.LayoutRecord._end``)."""
+    state = (end.reason or "").partition(":")[0]
+    driver.execute(
+        "UPDATE incarnations SET ended_at = ?, end_state = ? WHERE incarnation_id = ?",
+        (end.at, state, incarnation_id),
+    )
 
 
 def _prune_one(
     conn: Connection, inc: reader.Incarnation, keep_versions: int, refuse_pending: bool
 ) -> PruneReport | None:
     live = inc.ended_at is None and refuse_pending
-    pending = reader.pending_move(conn, inc.incarnation_id) if live else None
+    pending = reader.replayed(conn, inc).pending if live else None
     if pending is not None:
         raise LedgerError(
             f"incarnation {inc.incarnation_id} has a move pending (engine {pending.engine_id!r}, "
@@ -437,7 +438,7 @@ def _prune_one(
         {"i": inc.incarnation_id, "keep": keep_from},
     ).rowcount
     _insert_events(
-        conn,
+        _driver_of(conn),
         inc.incarnation_id,
         [
             ev.Event(
@@ -452,28 +453,6 @@ def _prune_one(
     return PruneReport(inc.incarnation_id, keep_from, int(removed))
 
 
-class LedgerRecord(LayoutRecord):
-    """A layout record whose every change is written to the ledger before it takes effect."""
-
-    def __init__(
-        self, ledger: Ledger, incarnation_id: int, geometry: Geometry, initial_map: Map
-    ) -> None:
-        super().__init__(incarnation_id, geometry, initial_map)
-        self.ledger = ledger
-
-    def row_jsons(self) -> list[str]:
-        return list(self._row_jsons)
-
-    def _persist(self, *events: ev.Event, rows: Mapping[int, str] | None = None) -> None:
-        with self.ledger.driver_transaction("writing to") as conn:
-            if rows is not None:
-                (commit,) = events
-                _insert_version(conn, self.incarnation_id, commit, rows)
-            else:
-                _insert_events(conn, self.incarnation_id, list(events))
-
-    def commit(self, engine_id: Any, rows: Any) -> tuple[int, str]:
-        result = super().commit(engine_id, rows)
-        if self.ledger.maintenance is not None:
-            self.ledger.maintenance.note_commit()
-        return result
+def _driver_of(conn: Connection) -> sqlite3.Connection:
+    """The sqlite3 connection under a SQLAlchemy one (same transaction)."""
+    return conn.connection.dbapi_connection  # type: ignore[return-value]

@@ -7,9 +7,7 @@ only a writer that must upgrade loads it.
 from __future__ import annotations
 
 import logging
-import sqlite3
 from pathlib import Path
-from urllib.parse import quote
 
 from sqlalchemy import Connection, inspect, text
 
@@ -46,33 +44,6 @@ def file_revision(conn: Connection) -> str | None:
     if len(rows) != 1:
         raise LedgerFileError(f"the ledger's alembic_version holds {len(rows)} rows; expected 1")
     return str(rows[0])
-
-
-def check_ledger_or_empty(path: Path) -> None:
-    """Before a writer touches ``path``: refuse, read-only, any file that is not a ledger.
-
-    A writer connection switches the file to WAL mode as it opens, so another application's
-    SQLite file (or any other file) must be refused before that, without changing it.
-    """
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    try:
-        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)
-    except sqlite3.Error as exc:
-        raise LedgerFileError(f"{path} is not a usable SQLite database: {exc}") from exc
-    try:
-        tables = {
-            row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-        }
-    except sqlite3.DatabaseError as exc:
-        raise LedgerFileError(f"{path} is not a usable SQLite database: {exc}") from exc
-    finally:
-        conn.close()
-    if tables and "alembic_version" not in tables:
-        raise LedgerFileError(
-            f"{path} holds tables ({', '.join(sorted(tables))}) but is not an expert layout "
-            f"ledger (no alembic_version); pass the path of a ledger or of a new file"
-        )
 
 
 def _refuse_newer(revision: str, path: Path) -> None:

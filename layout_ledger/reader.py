@@ -1,8 +1,9 @@
-"""Deriving a record's state from the ledger's rows, and read-only access for engines and the CLI.
+"""Reading a ledger: its incarnations, versions and maps, and read-only access for the CLI.
 
-Everything here reads; nothing writes. ``read_state`` rebuilds what a restarted process needs
-(version, digest, map, pending move, dirty mark, attachments, non-following flag) from the rows
-alone, with indexed lookups: O(layers) for the map, whatever the history's length.
+Everything here reads; nothing writes. The map at any held version is one indexed statement:
+O(layers), whatever the history's length. ``read_state`` adds what a restarted process needs
+(pending move, dirty mark, attachments, non-following flag), derived by replaying the
+incarnation's events through the daemon's own rules (``replayed``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from sqlalchemy.exc import DBAPIError
 from layout_ledger import events as ev
 from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.layout import Geometry, Map
-from layout_ledger.state import DirtyMark, LayoutState, PendingMove
+from layout_ledger.record import LayoutRecord
+from layout_ledger.state import LayoutState
 
 
 @dataclass(frozen=True)
@@ -153,93 +155,30 @@ def map_at(conn: Connection, inc: Incarnation, version: int | None = None) -> Ma
     return [json.loads(slots) for slots in row_jsons_at(conn, inc, version)]
 
 
-def _last_event(conn: Connection, incarnation_id: int, kinds: tuple[str, ...]) -> Any:
-    marks = ", ".join(f":k{n}" for n in range(len(kinds)))
-    params: dict[str, Any] = {"i": incarnation_id}
-    params.update({f"k{n}": kind for n, kind in enumerate(kinds)})
-    return conn.execute(
-        text(
-            f"SELECT * FROM events WHERE incarnation_id = :i AND kind IN ({marks}) "
-            f"ORDER BY event_id DESC LIMIT 1"
-        ),
-        params,
-    ).first()
+def replayed(conn: Connection, inc: Incarnation) -> LayoutRecord:
+    """``inc``'s record after its whole history, replayed through the daemon's own rules.
 
+    Pending move, dirty mark, attachments and the non-following flag are derived this way and
+    nowhere else (``layout_ledger.replay``); a history the rules would not have written is a
+    damaged ledger.
+    """
+    from layout_ledger.replay import ReplayMismatch, replay_incarnation
 
-def _move_of(event: Any) -> PendingMove:
-    return PendingMove(
-        engine_id=event.engine_id,
-        layers=tuple(json.loads(event.layers)),
-        base_version=int(event.base_version),
-        since=event.at,
-    )
-
-
-def pending_move(conn: Connection, incarnation_id: int) -> PendingMove | None:
-    """The last begin with no commit, abort or dirty mark after it."""
-    begin = _last_event(conn, incarnation_id, (ev.BEGIN,))
-    if begin is None:
-        return None
-    ended = _last_event(conn, incarnation_id, ev.MOVE_ENDING_KINDS)
-    if ended is not None and ended.event_id > begin.event_id:
-        return None
-    return _move_of(begin)
-
-
-def dirty_mark(conn: Connection, incarnation_id: int) -> DirtyMark | None:
-    """The dirty mark, with the move it names as its begin recorded it."""
-    dirty = _last_event(conn, incarnation_id, (ev.DIRTY,))
-    if dirty is None:
-        return None
-    begin = conn.execute(
-        text(
-            "SELECT * FROM events WHERE incarnation_id = :i AND kind = :k AND event_id < :d "
-            "ORDER BY event_id DESC LIMIT 1"
-        ),
-        {"i": incarnation_id, "k": ev.BEGIN, "d": dirty.event_id},
-    ).first()
-    return DirtyMark(move=_move_of(begin if begin is not None else dirty), at=dirty.at)
-
-
-def non_following_fetch(conn: Connection, incarnation_id: int) -> bool:
-    return _last_event(conn, incarnation_id, (ev.NON_FOLLOWING_FETCH,)) is not None
-
-
-def attached_engines(conn: Connection, inc: Incarnation) -> tuple[str, ...]:
-    """Engines whose last attach has no detach after it, in attach order; none once ended."""
-    if inc.ended_at is not None:
-        return ()
-    rows = conn.execute(
-        text(
-            "SELECT engine_id, max(CASE WHEN kind = :a THEN event_id END) AS attached, "
-            "max(CASE WHEN kind = :d THEN event_id END) AS detached "
-            "FROM events WHERE incarnation_id = :i AND kind IN (:a, :d) GROUP BY engine_id"
-        ),
-        {"i": inc.incarnation_id, "a": ev.ATTACH, "d": ev.DETACH},
-    )
-    live = [
-        (row.attached, row.engine_id)
-        for row in rows
-        if row.attached is not None and (row.detached is None or row.detached < row.attached)
-    ]
-    return tuple(engine_id for _, engine_id in sorted(live))
+    try:
+        return replay_incarnation(conn, inc)
+    except ReplayMismatch as exc:
+        raise LedgerStorageError(
+            f"the history of incarnation {inc.incarnation_id} is not one the daemon's rules "
+            f"write ({exc}); the ledger is damaged, run `layout-ledger verify`"
+        ) from exc
 
 
 def read_state(conn: Connection, incarnation_id: int | None = None) -> LayoutState:
     """The whole state of an incarnation (the latest when None), from the rows alone."""
     inc = incarnation(conn, incarnation_id)
-    version, digest = current_version(conn, inc.incarnation_id)
-    return LayoutState(
-        incarnation_id=inc.incarnation_id,
-        geometry=inc.geometry,
-        version=version,
-        digest=digest,
-        physical_to_logical_map=map_at(conn, inc, version),
-        pending=pending_move(conn, inc.incarnation_id),
-        dirty=dirty_mark(conn, inc.incarnation_id),
-        attached=attached_engines(conn, inc),
-        non_following_fetch=non_following_fetch(conn, inc.incarnation_id),
-    )
+    current_version(conn, inc.incarnation_id)  # a missing version 0 is named first
+    record = replayed(conn, inc)
+    return record.snapshot_with(map_at(conn, inc, record.version))
 
 
 class LedgerReader:

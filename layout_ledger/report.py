@@ -249,6 +249,7 @@ def collect_status(ledger: LedgerReader, incarnation_id: int | None = None) -> S
         inc = reader.incarnation(conn, incarnation_id)
         i = inc.incarnation_id
         version, digest = reader.current_version(conn, i)
+        derived = reader.replayed(conn, inc)
         count = conn.execute(text("SELECT count(*) FROM incarnations")).scalar()
         refusals = conn.execute(
             text("SELECT count(*) FROM ledger_events WHERE incarnation_id = :i AND kind LIKE :k"),
@@ -268,10 +269,10 @@ def collect_status(ledger: LedgerReader, incarnation_id: int | None = None) -> S
             version=version,
             digest=digest,
             reconstructible_from=reader.reconstructible_from(conn, i),
-            dirty=reader.dirty_mark(conn, i),
-            pending=reader.pending_move(conn, i),
-            attached=reader.attached_engines(conn, inc),
-            non_following_fetch=reader.non_following_fetch(conn, i),
+            dirty=derived.dirty,
+            pending=derived.pending,
+            attached=tuple(derived.attached),
+            non_following_fetch=derived.non_following_fetch,
             refusals=int(refusals or 0),
             last_event=None if last is None else EventRow.from_row(last),
         )
@@ -692,7 +693,7 @@ def export_map(
         )
     with ledger.connect() as conn:
         held = held_map(conn, incarnation_id, version)
-        dirty = reader.dirty_mark(conn, held.incarnation.incarnation_id) is not None
+        dirty = reader.replayed(conn, held.incarnation).dirty is not None
     if layout_digest(held.physical_to_logical_map) != held.digest:
         raise LedgerStorageError(
             f"the rows of incarnation {held.incarnation.incarnation_id} version {held.version} "

@@ -15,10 +15,23 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from layout_ledger import errors
-from layout_ledger.layout import Geometry, is_int, validate_layers, validate_rows
+from layout_ledger.layout import (
+    Geometry,
+    check_row_layers,
+    is_int,
+    validate_layers,
+    validate_rows,
+)
 from layout_ledger.state import DirtyMark, PendingMove
 
 MAX_ENGINE_ID = 256
+
+# Why a served fetch counts as non-following (the reason its event records).
+FETCH_WITHOUT_FIELD = (
+    "fetch without the expert_layout field (an engine without the expert layout plugin) while "
+    "no expert has moved"
+)
+FETCH_UNATTACHED = "fetch with a matching layout from an engine with no live attachment"
 
 
 class StateView(Protocol):
@@ -122,11 +135,22 @@ def _own_pending(state: StateView, engine_id: str, verb: str) -> PendingMove:
 def check_commit(
     state: StateView, engine_id: Any, rows: Any
 ) -> tuple[PendingMove, dict[int, list[int]]]:
+    pending = _committer(state, engine_id)
+    return pending, validate_rows(rows, pending.layers, state.geometry)
+
+
+def check_recorded_commit(state: StateView, engine_id: Any, layers: Any) -> PendingMove:
+    """``check_commit`` for a commit known by its layers alone (a replay of a ledger's history)."""
+    pending = _committer(state, engine_id)
+    check_row_layers(layers, pending.layers)
+    return pending
+
+
+def _committer(state: StateView, engine_id: Any) -> PendingMove:
     engine_id = check_engine_id(engine_id)
     if state.dirty is not None:
         raise errors.LayoutDirty(f"this daemon's expert layout is unknown: {state.dirty.reason}")
-    pending = _own_pending(state, engine_id, "commit")
-    return pending, validate_rows(rows, pending.layers, state.geometry)
+    return _own_pending(state, engine_id, "commit")
 
 
 def check_abort(state: StateView, engine_id: Any) -> PendingMove:
@@ -157,12 +181,7 @@ def check_fetch(state: StateView, field: Any) -> FetchVerdict:
         )
     if field is None:
         if state.version == 0:
-            return FetchVerdict(
-                following=False,
-                engine_id=None,
-                reason="fetch without the expert_layout field (an engine without the expert "
-                "layout plugin) while no expert has moved",
-            )
+            return FetchVerdict(following=False, engine_id=None, reason=FETCH_WITHOUT_FIELD)
         raise errors.LayoutMismatch(
             f"this daemon's experts have moved (layout version {state.version}) and the engine "
             f"did not send the expert_layout field, so it would route with the initial layout; "
@@ -188,8 +207,4 @@ def check_fetch(state: StateView, field: Any) -> FetchVerdict:
         )
     if engine_id is not None and engine_id in state.attached:
         return FetchVerdict(following=True, engine_id=engine_id, reason="")
-    return FetchVerdict(
-        following=False,
-        engine_id=engine_id,
-        reason="fetch with a matching layout from an engine with no live attachment",
-    )
+    return FetchVerdict(following=False, engine_id=engine_id, reason=FETCH_UNATTACHED)

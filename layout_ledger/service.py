@@ -1,21 +1,21 @@
-"""The daemon side of PROTOCOL.md: request dicts in, reply dicts out.
+"""The daemon side of the protocol (docs/protocol.md): request dicts in, reply dicts out.
 
 ``LayoutService`` knows nothing about sockets or sglang; ``sglang_integration`` feeds it the
 requests that arrive on the daemon's control socket, keeps an attach connection open when
 ``attach`` answers ``ok``, and calls ``detach`` when that connection reaches EOF.
 
-Policy that lives here and nowhere else:
-- which status a refusal gets (``busy`` / ``refused`` / ``no_record`` / ``layout_refused`` /
-  ``error``), and that every non-``ok`` reply carries a ``reason``;
-- that a refused or busy request appends exactly one ``*_refused`` / ``begin_busy`` event and
-  changes nothing else (the record's rules already guarantee the "nothing else");
-- that a daemon without a record answers attach and query with ``no_record`` and refuses
-  begin, commit and abort.
+It is one table from request type to the record's transition (``TRANSITIONS``) and one mapping
+from what a transition raises to a status: ``MoveBusy`` -> ``busy``, ``RequestRefused`` ->
+``refused`` (``layout_refused`` for a fetch), any other ``LedgerError`` (the ledger could not
+record the change, so it was not applied) -> ``error``. The record itself writes a refusal's one
+event. A daemon without a record answers attach and query with ``no_record`` and refuses begin,
+commit and abort.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from layout_ledger import messages as msg
@@ -30,6 +30,7 @@ NO_RECORD_REASON = (
 )
 
 Reply = dict[str, Any]
+Request = dict[str, Any]
 
 
 def _reply(status: str, reason: str | None = None, **fields: Any) -> Reply:
@@ -39,12 +40,55 @@ def _reply(status: str, reason: str | None = None, **fields: Any) -> Reply:
     return reply
 
 
-def _storage_failure(exc: LedgerError) -> Reply:
-    return _reply(
-        msg.ERROR,
+def _storage_failure(exc: LedgerError) -> str:
+    return (
         f"the daemon could not record this request in its expert layout ledger, so it was not "
-        f"applied: {exc}; check the ledger's disk, then retry",
+        f"applied: {exc}; check the ledger's disk, then retry"
     )
+
+
+# --- the five expert_layout_* requests: one transition each --------------------------------
+
+
+def _attach(record: LayoutRecord, request: Request) -> Reply:
+    engine_id = request.get("engine_id")
+    with record.lock:  # the reply shows the state this attach left
+        record.attach(engine_id)
+        state = record.snapshot()
+    logger.info("engine %r attached at layout version %d", engine_id, state.version)
+    return _reply(msg.OK, layout=state.to_protocol())
+
+
+def _query(record: LayoutRecord, request: Request) -> Reply:
+    return _reply(msg.OK, layout=record.snapshot().to_protocol())
+
+
+def _begin(record: LayoutRecord, request: Request) -> Reply:
+    record.begin(request.get("engine_id"), request.get("base_version"), request.get("layers"))
+    return _reply(msg.OK)
+
+
+def _commit(record: LayoutRecord, request: Request) -> Reply:
+    engine_id = request.get("engine_id")
+    version, digest = record.commit(engine_id, request.get("rows"))
+    logger.info("engine %r committed layout version %d", engine_id, version)
+    return _reply(msg.OK, version=version, digest=digest)
+
+
+def _abort(record: LayoutRecord, request: Request) -> Reply:
+    record.abort(request.get("engine_id"))
+    return _reply(msg.OK)
+
+
+TRANSITIONS: dict[str, Callable[[LayoutRecord, Request], Reply]] = {
+    msg.ATTACH: _attach,
+    msg.QUERY: _query,
+    msg.BEGIN: _begin,
+    msg.COMMIT: _commit,
+    msg.ABORT: _abort,
+}
+# Without a record, these answer no_record; the others (begin, commit, abort) are refused.
+_NO_RECORD_STATUS = {msg.ATTACH: msg.NO_RECORD, msg.QUERY: msg.NO_RECORD}
 
 
 class LayoutService:
@@ -53,103 +97,38 @@ class LayoutService:
     def __init__(self, record: LayoutRecord | None) -> None:
         self.record = record
 
-    # --- the five expert_layout_* requests ------------------------------------------------
-
-    def handle(self, request: dict[str, Any]) -> Reply:
+    def handle(self, request: Request) -> Reply:
         """Answer one request whose ``type`` is in ``messages.LAYOUT_REQUEST_TYPES``."""
         kind = request.get("type")
-        handlers = {
-            msg.ATTACH: self._attach,
-            msg.QUERY: self._query,
-            msg.BEGIN: self._begin,
-            msg.COMMIT: self._commit,
-            msg.ABORT: self._abort,
-        }
-        handler = handlers.get(kind) if isinstance(kind, str) else None
-        if handler is None:
+        transition = TRANSITIONS.get(kind) if isinstance(kind, str) else None
+        if transition is None:
             return _reply(msg.ERROR, f"not an expert layout request: {kind!r}")
-        return handler(request)
-
-    def _attach(self, request: dict[str, Any]) -> Reply:
-        record = self.record
-        if record is None:
-            return _reply(msg.NO_RECORD, NO_RECORD_REASON)
-        engine_id = request.get("engine_id")
-        try:
-            state = record.attach(engine_id)
-        except RequestRefused as exc:
-            return self._refused("attach", engine_id, exc)
-        except LedgerError as exc:
-            return _storage_failure(exc)
-        logger.info("engine %r attached at layout version %d", engine_id, state.version)
-        return _reply(msg.OK, layout=state.to_protocol())
-
-    def _query(self, request: dict[str, Any]) -> Reply:
         if self.record is None:
-            return _reply(msg.NO_RECORD, NO_RECORD_REASON)
-        return _reply(msg.OK, layout=self.record.snapshot().to_protocol())
-
-    def _begin(self, request: dict[str, Any]) -> Reply:
-        record = self.record
-        engine_id = request.get("engine_id")
-        if record is None:
-            return _reply(msg.REFUSED, NO_RECORD_REASON)
+            return _reply(_NO_RECORD_STATUS.get(str(kind), msg.REFUSED), NO_RECORD_REASON)
         try:
-            record.begin(engine_id, request.get("base_version"), request.get("layers"))
+            return transition(self.record, request)
         except MoveBusy as exc:
-            self._note(record, "begin", engine_id, str(exc), busy=True)
             return _reply(msg.BUSY, str(exc))
         except RequestRefused as exc:
-            return self._refused("begin", engine_id, exc)
+            return _reply(msg.REFUSED, str(exc))
         except LedgerError as exc:
-            return _storage_failure(exc)
-        return _reply(msg.OK)
-
-    def _commit(self, request: dict[str, Any]) -> Reply:
-        record = self.record
-        engine_id = request.get("engine_id")
-        if record is None:
-            return _reply(msg.REFUSED, NO_RECORD_REASON)
-        try:
-            version, digest = record.commit(engine_id, request.get("rows"))
-        except RequestRefused as exc:
-            return self._refused("commit", engine_id, exc)
-        except LedgerError as exc:
-            return _storage_failure(exc)
-        logger.info("engine %r committed layout version %d", engine_id, version)
-        return _reply(msg.OK, version=version, digest=digest)
-
-    def _abort(self, request: dict[str, Any]) -> Reply:
-        record = self.record
-        engine_id = request.get("engine_id")
-        if record is None:
-            return _reply(msg.REFUSED, NO_RECORD_REASON)
-        try:
-            record.abort(engine_id)
-        except RequestRefused as exc:
-            return self._refused("abort", engine_id, exc)
-        except LedgerError as exc:
-            return _storage_failure(exc)
-        return _reply(msg.OK)
+            return _reply(msg.ERROR, _storage_failure(exc))
 
     # --- fetch_state and presence --------------------------------------------------------
 
-    def check_fetch(self, request: dict[str, Any]) -> Reply | None:
+    def check_fetch(self, request: Request) -> Reply | None:
         """The ``fetch_state`` layout check: None to serve, else the ``layout_refused`` reply."""
         record = self.record
         if record is None:
             return None
-        field = request.get(msg.FETCH_LAYOUT_FIELD)
-        engine_id = field.get("engine_id") if isinstance(field, dict) else None
         try:
-            verdict = record.fetch(field)
+            verdict = record.fetch(request.get(msg.FETCH_LAYOUT_FIELD))
         except RequestRefused as exc:
-            self._note(record, "fetch", engine_id, str(exc))
             logger.warning("refused a weight fetch: %s", exc)
             return _reply(msg.LAYOUT_REFUSED, str(exc))
         except LedgerError as exc:
             # Serving would be unrecorded; refusing is the safe side.
-            return _reply(msg.LAYOUT_REFUSED, _storage_failure(exc)["reason"])
+            return _reply(msg.LAYOUT_REFUSED, _storage_failure(exc))
         if not verdict.following:
             logger.warning(
                 "served weights to an engine that does not follow the expert layout (%s); no "
@@ -168,20 +147,3 @@ class LayoutService:
             logger.info("engine %r detached", engine_id)
         else:
             logger.error("expert layout is now dirty: %s", mark.reason)
-
-    # --- refusals -------------------------------------------------------------------------
-
-    def _refused(self, verb: str, engine_id: Any, exc: RequestRefused) -> Reply:
-        record = self.record
-        if record is not None:
-            self._note(record, verb, engine_id, str(exc))
-        return _reply(msg.REFUSED, str(exc))
-
-    @staticmethod
-    def _note(
-        record: LayoutRecord, verb: str, engine_id: Any, reason: str, *, busy: bool = False
-    ) -> None:
-        try:
-            record.record_refusal(verb, engine_id, reason, busy=busy)
-        except LedgerError as exc:
-            logger.error("could not record a refused %s in the ledger: %s", verb, exc)

@@ -153,14 +153,81 @@ def _engine(path: Path, target: str, *, writer: bool) -> Engine:
     return engine
 
 
-def open_writer_engine(path: Path) -> Engine:
-    """Create the file if needed (0600) and return an engine for its one writer connection.
+class Writer:
+    """One process's write access to one ledger: the writer lock and the writer connection.
 
-    The caller must hold ``WriterLock`` for ``path``.
+    ``open_writer`` is the only way in, for the daemon (``Ledger``), ``layout-ledger prune`` and
+    ``upgrade``, and Alembic's environment: each refuses, read-only and before anything is
+    created or locked, a file that is no ledger; then takes the one-writer lock (failing at once
+    while a daemon owns the file); then opens the file (created 0600 when missing) in WAL mode.
     """
-    _check_owned_regular_file(path, "ledger")
-    _create_private(path)
-    return _engine(path, str(path), writer=True)
+
+    def __init__(self, path: Path, *, create: bool) -> None:
+        self.path = path
+        if not create and not path.exists():
+            raise LedgerFileError(f"ledger {path} does not exist")
+        _check_owned_regular_file(path, "ledger")
+        _check_ledger_or_empty(path)
+        self._lock = WriterLock(path)
+        try:
+            _create_private(path)
+            self.engine = _engine(path, str(path), writer=True)
+            self.connection: Connection = self.engine.connect()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def driver(self) -> sqlite3.Connection:
+        """The sqlite3 connection under ``connection`` (the same transaction)."""
+        driver = self.connection.connection.dbapi_connection
+        if driver is None:
+            raise LedgerFileError(f"ledger {self.path} is closed")
+        return driver  # type: ignore[return-value]
+
+    def close(self) -> None:
+        try:
+            self.connection.close()
+            self.engine.dispose()
+        finally:
+            self._lock.release()
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_writer(path: str | os.PathLike[str], *, create: bool = True) -> Writer:
+    """Write access to the ledger at ``path`` (see ``Writer``); ``create=False`` never makes one."""
+    return Writer(Path(path), create=create)
+
+
+def _check_ledger_or_empty(path: Path) -> None:
+    """Before a writer touches ``path``: refuse, read-only, any file that is not a ledger.
+
+    A writer connection switches the file to WAL mode as it opens, so another application's
+    SQLite file (or any other file) must be refused before that, without changing it.
+    """
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    try:
+        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        raise LedgerFileError(f"{path} is not a usable SQLite database: {exc}") from exc
+    try:
+        tables = {
+            row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }
+    except sqlite3.DatabaseError as exc:
+        raise LedgerFileError(f"{path} is not a usable SQLite database: {exc}") from exc
+    finally:
+        conn.close()
+    if tables and "alembic_version" not in tables:
+        raise LedgerFileError(
+            f"{path} holds tables ({', '.join(sorted(tables))}) but is not an expert layout "
+            f"ledger (no alembic_version); pass the path of a ledger or of a new file"
+        )
 
 
 def open_reader_engine(path: Path) -> Engine:

@@ -7,12 +7,13 @@ Checks, in order, inside one read transaction (a consistent snapshot while a dae
 - per incarnation, ``digests``: the initial map gives the initial digest, which version 0
   records; every held version (from the reconstructible floor) rebuilt from the rows gives
   the digest its versions row records, and its rows are exactly the layers it lists.
-- per incarnation, ``events``: replayed in order, the events are a history the daemon's rules
-  allow: it starts with ``start``; every commit has its begin (same engine, layers and base)
-  and names the next version with that version's digest; an abort has its begin; a ``dirty``
-  mark only right after its engine's detach while that engine's move was pending, and such a
-  detach is always followed by one; no begin after a dirty mark or a non-following fetch;
-  every detach has its attach; after ``end`` only ``prune``; and every version has a commit.
+- per incarnation, ``events``: the stored events, replayed through the daemon's own rules
+  (``layout_ledger.replay``), are exactly what the daemon would have written: it starts with
+  ``start``; every transition is one the rules allow at that point (a commit needs its begin,
+  same engine, layers and base, and names the next version with that version's digest; a
+  ``dirty`` mark follows its engine's detach during its pending move, and only then; no begin
+  while dirty, after a non-following fetch or beside another engine; ...); after ``end`` only
+  ``prune``; every version has a commit; and the incarnation row's end state is its events'.
 
 Each check reports its first inconsistency; the report names the first of all of them.
 """
@@ -21,17 +22,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from sqlalchemy import Connection, text
 
-from layout_ledger import events as ev
 from layout_ledger import reader
 from layout_ledger.layout import layout_digest
 from layout_ledger.migrate import file_revision
 from layout_ledger.reader import Incarnation, LedgerReader
-from layout_ledger.report import EVENT_KINDS, JsonObject
+from layout_ledger.replay import ReplayMismatch, StoredEvents, replay_incarnation
+from layout_ledger.report import JsonObject
 from layout_ledger.version_walk import WalkInconsistency, walk_versions
 
 
@@ -169,166 +169,28 @@ def _check_digests(conn: Connection, inc: Incarnation) -> str:
     return f"digests of versions {first}..{last} recomputed from the rows match{pruned}"
 
 
-@dataclass
-class _Replay:
-    """The record's state while the events are replayed."""
-
-    versions: dict[int, tuple[str, tuple[int, ...]]]
-    version: int | None = None
-    pending: tuple[str, tuple[int, ...], int] | None = None
-    dirty: bool = False
-    non_following: bool = False
-    ended: bool = False
-    attached: set[str] = field(default_factory=set)
-    expect_dirty_of: str | None = None
-    previous: Any = None
-
-
-def _replay_one(state: _Replay, event: Any) -> None:
-    kind = event.kind
-    engine = event.engine_id
-    layers = None if event.layers is None else tuple(json.loads(event.layers))
-    where = f"event #{event.event_id} ({kind}"
-    where += f" by {engine!r})" if engine else ")"
-    if state.expect_dirty_of is not None and (kind != ev.DIRTY or engine != state.expect_dirty_of):
-        raise Inconsistent(
-            f"{where} follows engine {state.expect_dirty_of!r}'s detach during its pending "
-            f"move, where a dirty mark must be"
-        )
-    if state.version is None and kind != ev.START:
-        raise Inconsistent(f"{where} comes before the incarnation's start event")
-    if state.ended and kind != ev.PRUNE:
-        raise Inconsistent(f"{where} comes after the incarnation's end event")
-    if kind not in EVENT_KINDS:
-        raise Inconsistent(f"{where} has an unknown kind")
-    if kind == ev.START:
-        if state.version is not None:
-            raise Inconsistent(f"{where} is a second start in one incarnation")
-        if event.new_version != 0:
-            raise Inconsistent(f"{where} starts at version {event.new_version}, not 0")
-        state.version = 0
-    elif kind == ev.ATTACH:
-        if engine in state.attached:
-            raise Inconsistent(f"{where}: the engine was already attached")
-        state.attached.add(engine)
-    elif kind == ev.DETACH:
-        if engine not in state.attached:
-            raise Inconsistent(f"{where}: the engine was not attached")
-        state.attached.discard(engine)
-        if state.pending is not None and state.pending[0] == engine:
-            state.expect_dirty_of = engine
-    elif kind == ev.BEGIN:
-        if state.dirty:
-            raise Inconsistent(f"{where} was accepted although the layout was dirty")
-        if state.non_following:
-            raise Inconsistent(f"{where} was accepted after a non-following fetch")
-        if state.pending is not None:
-            raise Inconsistent(
-                f"{where} was accepted while engine {state.pending[0]!r}'s move was pending"
-            )
-        if engine not in state.attached:
-            raise Inconsistent(f"{where}: the engine was not attached")
-        others = sorted(state.attached - {engine})
-        if others:
-            raise Inconsistent(f"{where} was accepted while {others} were attached too")
-        if event.base_version != state.version:
-            raise Inconsistent(
-                f"{where} names base version {event.base_version} but the version was "
-                f"{state.version}"
-            )
-        state.pending = (engine, layers or (), int(event.base_version))
-    elif kind in (ev.COMMIT, ev.ABORT):
-        pending = state.pending
-        if pending is None:
-            raise Inconsistent(f"{where} has no begin before it")
-        if pending != (engine, layers or (), event.base_version):
-            raise Inconsistent(
-                f"{where} of layers {list(layers or ())} from version {event.base_version} does "
-                f"not match the pending begin by {pending[0]!r} of layers {list(pending[1])} "
-                f"from version {pending[2]}"
-            )
-        state.pending = None
-        if kind == ev.COMMIT:
-            _replay_commit(state, event, where, layers or ())
-    elif kind == ev.DIRTY:
-        pending = state.pending
-        previous = state.previous
-        after_detach = (
-            previous is not None and previous.kind == ev.DETACH and previous.engine_id == engine
-        )
-        if not after_detach or pending is None:
-            raise Inconsistent(
-                f"{where} does not follow a detach of that engine during its pending move"
-            )
-        if pending != (engine, layers or (), event.base_version):
-            raise Inconsistent(f"{where} names another move than the pending one")
-        state.pending = None
-        state.dirty = True
-        state.expect_dirty_of = None
-    elif kind == ev.NON_FOLLOWING_FETCH:
-        if state.dirty or state.pending is not None:
-            raise Inconsistent(f"{where} was served while the layout was dirty or in flux")
-        state.non_following = True
-    elif kind == ev.END:
-        state.ended = True
-        state.expect_dirty_of = None
-
-
-def _replay_commit(state: _Replay, event: Any, where: str, layers: tuple[int, ...]) -> None:
-    expected = (state.version or 0) + 1
-    if event.new_version != expected:
-        raise Inconsistent(f"{where} names version {event.new_version}, expected {expected}")
-    recorded = state.versions.get(expected)
-    if recorded is None:
-        raise Inconsistent(f"{where}: the ledger has no version {expected}")
-    digest, recorded_layers = recorded
-    if event.digest_after != digest:
-        raise Inconsistent(
-            f"{where} records digest {str(event.digest_after)[:12]} but version {expected} "
-            f"records {digest[:12]}"
-        )
-    if sorted(recorded_layers) != sorted(layers):
-        raise Inconsistent(
-            f"{where} moved layers {list(layers)} but version {expected} lists "
-            f"{list(recorded_layers)}"
-        )
-    state.version = expected
-
-
 def _check_events(conn: Connection, inc: Incarnation) -> str:
-    i = inc.incarnation_id
-    versions = {
-        int(row.version): (str(row.digest), tuple(json.loads(row.layers)))
-        for row in conn.execute(
-            text("SELECT version, digest, layers FROM versions WHERE incarnation_id = :i"),
-            {"i": i},
-        )
-    }
-    state = _Replay(versions=versions)
-    count = 0
-    for event in conn.execute(
-        text(
-            "SELECT event_id, at, kind, engine_id, layers, base_version, new_version, "
-            "digest_after FROM events WHERE incarnation_id = :i ORDER BY event_id"
-        ),
-        {"i": i},
-    ):
-        _replay_one(state, event)
-        state.previous = event
-        count += 1
-    if state.expect_dirty_of is not None:
+    """Replay the events through the daemon's own rules (``layout_ledger.replay``)."""
+    try:
+        record = replay_incarnation(conn, inc)
+    except ReplayMismatch as exc:
+        raise Inconsistent(str(exc)) from exc
+    current = conn.execute(
+        text("SELECT max(version) FROM versions WHERE incarnation_id = :i"),
+        {"i": inc.incarnation_id},
+    ).scalar()
+    if record.version != (current or 0):
         raise Inconsistent(
-            f"engine {state.expect_dirty_of!r} detached during its pending move but no dirty "
-            f"mark follows"
-        )
-    if state.version is None:
-        raise Inconsistent("the incarnation has no start event")
-    current = max(versions) if versions else 0
-    if state.version != current:
-        raise Inconsistent(
-            f"the commits reach version {state.version} but the ledger holds versions up to "
+            f"the commits reach version {record.version} but the ledger holds versions up to "
             f"{current}"
         )
+    if record.end_state != inc.end_state:
+        raise Inconsistent(
+            f"the incarnation row says it ended {inc.end_state!r} but its events end it "
+            f"{record.end_state!r}"
+        )
+    stored = record.journal
+    count = stored.count if isinstance(stored, StoredEvents) else 0
     return f"{count} events consistent"
 
 

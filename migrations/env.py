@@ -47,21 +47,14 @@ def run_migrations_online() -> None:
     if connection is not None:
         _configure_and_run(connection)
         return
-    from layout_ledger.storage import WriterLock, open_writer_engine
+    from layout_ledger.storage import open_writer
 
     database = make_url(_url()).database
     if not database:
         raise SystemExit("the url must name a ledger file: sqlite:///PATH")
-    path = Path(database)
-    lock = WriterLock(path)
-    engine = open_writer_engine(path)
-    try:
-        with engine.connect() as conn:
-            _configure_and_run(conn)
-            conn.commit()
-    finally:
-        engine.dispose()
-        lock.release()
+    with open_writer(Path(database)) as writer:
+        _configure_and_run(writer.connection)
+        writer.connection.commit()
 
 
 if context.is_offline_mode():

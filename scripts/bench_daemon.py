@@ -10,7 +10,7 @@ Everything runs side by side in one run, over real Unix sockets, against model-l
    256 logical experts): ``expert_layout_begin`` + ``expert_layout_commit`` of all 58 rows, each
    on its own connection as an engine sends them, against a daemon whose record is the SQLite
    ledger (every change durable before the reply) and against the same daemon code with an
-   in-memory record (``MemoryRecord``). The two alternate round by round. Target: the ledger's
+   in-memory record (``MemoryJournal``). The two alternate round by round. Target: the ledger's
    median within 3x of the in-memory median.
 2. Detach latency: 32 other engine processes stay attached while, again and again, one more
    engine process attaches and is killed with SIGKILL. Measured from just before ``kill()`` to

@@ -22,7 +22,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from layout_ledger import events as ev
@@ -30,13 +30,13 @@ from layout_ledger import reader
 from layout_ledger.layout import Geometry, trivial_map
 from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Ledger, Retention
 from layout_ledger.reader import LedgerReader
-from layout_ledger.record import LayoutRecord, MemoryRecord
+from layout_ledger.record import LayoutRecord
 
 GEOMETRY = Geometry(num_layers=58, num_physical_slots=288, num_logical_experts=256)
 ALL_LAYERS = list(range(GEOMETRY.num_layers))
 
 
-class JsonFileRecord(LayoutRecord):
+class JsonFileJournal:
     """The baseline: every change rewrites the whole state as one JSON file, atomically
     (write, fsync, rename, fsync the directory). It keeps no history.
 
@@ -46,33 +46,42 @@ class JsonFileRecord(LayoutRecord):
     all it pays beyond the in-memory record is the write and its two fsyncs.
     """
 
-    def __init__(self, path: Path, reuse_row_json: bool, *args: object) -> None:
-        super().__init__(*args)  # type: ignore[arg-type]
+    def __init__(self, path: Path, reuse_row_json: bool) -> None:
         self.path = path
         self.reuse_row_json = reuse_row_json
+        self.record: LayoutRecord | None = None
+        # The json.dumps variant keeps the map as lists, as a JSON-file design would; the
+        # benchmark hands it each commit's request rows (the record hands a journal only the
+        # rows' JSON text).
+        self.map: list[list[int]] | None = None
+        self.request_rows: dict[int, list[int]] = {}
 
-    def _persist(self, *events: ev.Event, rows: Mapping[int, str] | None = None) -> None:
+    def append(self, events: Sequence[ev.Event], rows: Mapping[int, str] | None = None) -> None:
+        record = self.record
+        if record is None:
+            raise RuntimeError("bind the journal to its record first")
         last = events[-1]
-        version = last.new_version if rows else self.version
-        digest = last.digest_after if rows else self.digest
-        pending = None if self.pending is None else self.pending.to_protocol()
+        version = last.new_version if rows else record.version
+        digest = last.digest_after if rows else record.digest
+        pending = None if record.pending is None else record.pending.to_protocol()
+        row_jsons = record.row_jsons()
+        for layer, text in (rows or {}).items():
+            row_jsons[layer] = text
         if self.reuse_row_json:
-            row_jsons = list(self._row_jsons)
-            for layer, text in (rows or {}).items():
-                row_jsons[layer] = text
             data = (
                 f'{{"version":{version},"digest":"{digest}","pending":{json.dumps(pending)},'
                 f'"physical_to_logical_map":[{",".join(row_jsons)}]}}'
             ).encode()
         else:
-            current = [list(row) for row in self._rows]
-            for layer, row in (self.pending_rows or {}).items():
-                current[layer] = row
+            if self.map is None:
+                self.map = [json.loads(text) for text in record.row_jsons()]
+            for layer, row in (self.request_rows if rows else {}).items():
+                self.map[layer] = row
             state = {
                 "version": version,
                 "digest": digest,
                 "pending": pending,
-                "physical_to_logical_map": current,
+                "physical_to_logical_map": self.map,
             }
             data = json.dumps(state, separators=(",", ":")).encode()
         tmp = self.path.with_suffix(".tmp")
@@ -87,16 +96,12 @@ class JsonFileRecord(LayoutRecord):
         finally:
             os.close(directory)
 
-    pending_rows: dict[int, list[int]] | None = None
 
-    def commit(self, engine_id: object, rows: object) -> tuple[int, str]:
-        # The validated rows as lists, for the json.dumps variant (the base class hands
-        # _persist only their JSON text); set before, cleared after, no extra validation.
-        self.pending_rows = rows if isinstance(rows, dict) else None
-        try:
-            return super().commit(engine_id, rows)
-        finally:
-            self.pending_rows = None
+def json_file_record(path: Path, reuse_row_json: bool, initial: list[list[int]]) -> LayoutRecord:
+    journal = JsonFileJournal(path, reuse_row_json)
+    record = LayoutRecord(journal, 1, GEOMETRY, initial)
+    journal.record = record
+    return record
 
 
 def random_rows(rng: random.Random, layers: list[int]) -> dict[int, list[int]]:
@@ -124,12 +129,12 @@ def bench_commit(workdir: Path, commits: int) -> dict[str, list[float]]:
     ledger = Ledger.open(workdir / "commit.sqlite")
     records = {
         "ledger (SQLite, WAL, synchronous=FULL)": ledger.start_incarnation(GEOMETRY, initial),
-        "in-memory record (no persistence)": MemoryRecord(1, GEOMETRY, initial),
-        "atomic JSON rewrite, json.dumps of the map": JsonFileRecord(
-            workdir / "dumps.json", False, 1, GEOMETRY, initial
+        "in-memory record (no persistence)": LayoutRecord.in_memory(GEOMETRY, initial),
+        "atomic JSON rewrite, json.dumps of the map": json_file_record(
+            workdir / "dumps.json", False, initial
         ),
-        "atomic JSON rewrite, reusing the row JSON (favoured)": JsonFileRecord(
-            workdir / "rows.json", True, 1, GEOMETRY, initial
+        "atomic JSON rewrite, reusing the row JSON (favoured)": json_file_record(
+            workdir / "rows.json", True, initial
         ),
     }
     timings: dict[str, list[float]] = {name: [] for name in records}
@@ -138,6 +143,8 @@ def bench_commit(workdir: Path, commits: int) -> dict[str, list[float]]:
     # Interleave the three so machine noise hits them alike.
     for rows in chunks:
         for name, record in records.items():
+            if isinstance(record.journal, JsonFileJournal):
+                record.journal.request_rows = rows
             record.begin("engine", record.version, ALL_LAYERS)
             started = time.perf_counter()
             record.commit("engine", rows)

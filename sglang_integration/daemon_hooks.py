@@ -53,7 +53,8 @@ from typing import Any
 from layout_ledger import messages as msg
 from layout_ledger.errors import LedgerError
 from layout_ledger.layout import Geometry, Map
-from layout_ledger.ledger import Ledger, LedgerRecord, Retention
+from layout_ledger.ledger import Ledger, Retention
+from layout_ledger.record import LayoutRecord
 from layout_ledger.service import LayoutService
 from sglang_integration import ledger_paths
 from sglang_integration.attach_watcher import AttachWatcher, WatcherStopped
@@ -132,7 +133,7 @@ def open_ledger_record(
     retention: Retention,
     config_fingerprint: str,
     daemon_label: str,
-) -> tuple[Ledger, LedgerRecord]:
+) -> tuple[Ledger, LayoutRecord]:
     """Open the ledger (one writer) and start a new incarnation at version 0."""
     ledger = Ledger.open(path, retention)
     try:
@@ -204,7 +205,7 @@ def around_load(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwar
     return result
 
 
-def _open_record_after_load(daemon: Any) -> tuple[Ledger | None, LedgerRecord | None]:
+def _open_record_after_load(daemon: Any) -> tuple[Ledger | None, LayoutRecord | None]:
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
     from sglang.srt.platforms import current_platform
     from sglang.srt.runtime_context import get_exec

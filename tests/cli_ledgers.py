@@ -1,4 +1,4 @@
-"""Ledgers the CLI tests read, built through the real ``Ledger``/``LedgerRecord``.
+"""Ledgers the CLI tests read, built through the real ``Ledger``/``LayoutRecord``.
 
 Times come from a fixed clock (``fixed_clock``), so the CLI's output is exact text: the n-th
 timestamp the ledger asks for is 2026-01-01T00:00:00+00:00 plus n seconds. The builders make:
@@ -30,7 +30,8 @@ from typing import Any
 from layout_ledger import ledger as ledger_module
 from layout_ledger import record as record_module
 from layout_ledger.layout import Geometry, trivial_map
-from layout_ledger.ledger import Ledger, LedgerRecord
+from layout_ledger.ledger import Ledger
+from layout_ledger.record import LayoutRecord
 
 GEOMETRY = Geometry(num_layers=4, num_physical_slots=6, num_logical_experts=4)
 EPOCH = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
@@ -61,7 +62,7 @@ def rotated(row: list[int], by: int) -> list[int]:
     return row[by:] + row[:by]
 
 
-def start(ledger: Ledger, geometry: Geometry = GEOMETRY) -> LedgerRecord:
+def start(ledger: Ledger, geometry: Geometry = GEOMETRY) -> LayoutRecord:
     initial = trivial_map(
         geometry.num_layers, geometry.num_physical_slots, geometry.num_logical_experts
     )
@@ -70,7 +71,7 @@ def start(ledger: Ledger, geometry: Geometry = GEOMETRY) -> LedgerRecord:
     )
 
 
-def commit(record: LedgerRecord, engine: str, rows: dict[int, list[int]]) -> int:
+def commit(record: LayoutRecord, engine: str, rows: dict[int, list[int]]) -> int:
     record.begin(engine, record.version, sorted(rows))
     version, _ = record.commit(engine, rows)
     return version

@@ -7,7 +7,8 @@ import sqlite3
 from pathlib import Path
 
 from layout_ledger.layout import Geometry, Map, trivial_map
-from layout_ledger.ledger import Ledger, LedgerRecord, Retention
+from layout_ledger.ledger import Ledger, Retention
+from layout_ledger.record import LayoutRecord
 
 SMALL = Geometry(num_layers=8, num_physical_slots=12, num_logical_experts=8)
 
@@ -16,7 +17,7 @@ def open_ledger(path: Path, **retention: int) -> Ledger:
     return Ledger.open(path, Retention(**retention) if retention else None)
 
 
-def start(ledger: Ledger, geometry: Geometry = SMALL, initial: Map | None = None) -> LedgerRecord:
+def start(ledger: Ledger, geometry: Geometry = SMALL, initial: Map | None = None) -> LayoutRecord:
     initial = initial or trivial_map(
         geometry.num_layers, geometry.num_physical_slots, geometry.num_logical_experts
     )
@@ -29,7 +30,7 @@ def random_row(rng: random.Random, geometry: Geometry = SMALL) -> list[int]:
     return [rng.randrange(geometry.num_logical_experts) for _ in range(geometry.num_physical_slots)]
 
 
-def move(record: LedgerRecord, engine_id: str, layers: list[int], rng: random.Random) -> int:
+def move(record: LayoutRecord, engine_id: str, layers: list[int], rng: random.Random) -> int:
     """begin + commit of ``layers`` with random rows; returns the new version."""
     record.begin(engine_id, record.version, layers)
     version, _ = record.commit(
@@ -46,3 +47,16 @@ def table_dump(
         return {
             table: conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall() for table in tables
         }
+
+
+def refusals_added(path: Path, before: dict[str, list[tuple]]) -> list[str]:
+    """The kinds of the events appended since ``before``, after checking that nothing else
+    changed: a refused request leaves its one ``*_refused``/``begin_busy`` event and no other
+    row (the record writes that event itself, in the same locked step)."""
+    after = table_dump(path)
+    for table in ("incarnations", "versions", "layout_rows"):
+        assert after[table] == before[table], table
+    assert after["events"][: len(before["events"])] == before["events"]
+    added = [row[3] for row in after["events"][len(before["events"]) :]]
+    assert all(kind.endswith("_refused") or kind == "begin_busy" for kind in added), added
+    return added

@@ -1,6 +1,6 @@
 """The read commands' exact output, exit codes and --json, against ledgers built by the ledger.
 
-Every ledger here was written through ``Ledger``/``LedgerRecord`` with a fixed clock
+Every ledger here was written through ``Ledger``/``LayoutRecord`` with a fixed clock
 (tests/cli_ledgers.py), by a process that then died like a killed daemon.
 """
 

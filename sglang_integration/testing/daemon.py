@@ -29,7 +29,7 @@ What is skipped, and why (``build_model_less_daemon``):
   trivial map, so the only code not run is the load hook's reading of sglang's global
   ``ExpertLocationMetadata``.
 
-Options beyond the contract: ``--in-memory`` keeps the record in memory (``MemoryRecord``, for
+Options beyond the contract: ``--in-memory`` keeps the record in memory (``MemoryJournal``, for
 benchmarks), ``--without-plugin`` runs sglang's daemon with no hook at all (for comparisons with
 sglang 0.5.23's own behaviour), ``--keep-versions`` / ``--prune-every`` set retention.
 """
@@ -47,7 +47,7 @@ from typing import Any
 from layout_ledger.errors import LedgerError
 from layout_ledger.layout import Geometry, trivial_map
 from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Ledger, Retention
-from layout_ledger.record import MemoryRecord
+from layout_ledger.record import LayoutRecord
 from layout_ledger.service import LayoutService
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ def open_layout_service(
         geometry.num_layers, geometry.num_physical_slots, geometry.num_logical_experts
     )
     if args.in_memory:
-        return LayoutService(MemoryRecord(1, geometry, initial_map)), None
+        return LayoutService(LayoutRecord.in_memory(geometry, initial_map)), None
     ledger, record = open_ledger_record(
         args.ledger,
         geometry,
