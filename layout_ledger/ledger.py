@@ -11,6 +11,7 @@ cannot take back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -114,20 +115,22 @@ class Ledger:
         """
         with self._lock:
             driver = self._writer.driver()
+            joined = self._conn.in_transaction()  # an incarnation's start: one transaction
             try:
-                if self._conn.in_transaction():  # an incarnation's start: one transaction
-                    yield driver
-                    return
-                driver.execute("BEGIN IMMEDIATE")
+                if not joined:
+                    driver.execute("BEGIN IMMEDIATE")
                 try:
                     yield driver
+                    if not joined:
+                        driver.execute("COMMIT")
                 except BaseException:
-                    driver.execute("ROLLBACK")
+                    # SQLite has already rolled back after some errors (SQLITE_FULL, I/O): a
+                    # second ROLLBACK would raise and hide the cause.
+                    if not joined and driver.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            driver.execute("ROLLBACK")
                     raise
-                driver.execute("COMMIT")
             except sqlite3.Error as exc:
-                if driver.in_transaction and not self._conn.in_transaction():
-                    driver.execute("ROLLBACK")
                 raise LedgerStorageError(f"writing to ledger {self.path} failed: {exc}") from exc
 
     def journal(self, incarnation_id: int) -> LedgerJournal:
