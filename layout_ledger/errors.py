@@ -74,10 +74,6 @@ class MovesDisabled(RequestRefused):
     """A non-following engine fetched the weights; moves are off until the daemon restarts."""
 
 
-class NoRecord(RequestRefused):
-    """The daemon keeps no expert layout record (started without --enable-eplb)."""
-
-
 class LayoutMismatch(RequestRefused):
     """A fetch named a layout other than the daemon's current one."""
 

@@ -6,6 +6,7 @@ only a writer that must upgrade loads it.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -16,7 +17,22 @@ from layout_ledger.schema import KNOWN_REVISIONS, SCHEMA_HEAD
 
 logger = logging.getLogger(__name__)
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def migrations_dir() -> Path:
+    """The Alembic environment: the top-level ``migrations/`` folder of a source tree, which an
+    install ships as the package ``layout_ledger.migrations`` (setup.cfg ``package_dir``)."""
+    beside = Path(__file__).resolve().parent.parent / "migrations"
+    if (beside / "env.py").is_file():
+        return beside
+    spec = importlib.util.find_spec("layout_ledger.migrations")
+    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    if not locations:
+        raise LedgerFileError(
+            "this installation of layout_ledger has no migrations (layout_ledger.migrations); "
+            "reinstall the sglang-expert-layout-ledger package"
+        )
+    return Path(locations[0])
 
 
 def alembic_config(connection: Connection | None = None):  # type: ignore[no-untyped-def]
@@ -24,7 +40,7 @@ def alembic_config(connection: Connection | None = None):  # type: ignore[no-unt
     from alembic.config import Config
 
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("script_location", str(migrations_dir()))
     if connection is not None:
         config.attributes["connection"] = connection
     return config

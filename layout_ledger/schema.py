@@ -31,8 +31,6 @@ from sqlalchemy import (
 SCHEMA_HEAD = "0002_forensic_views"
 KNOWN_REVISIONS = ("0001_initial", "0002_forensic_views")
 
-END_STATES = ("clean", "dirty", "unknown")
-
 metadata = MetaData()
 
 incarnations = Table(

@@ -146,3 +146,38 @@ def test_alembic_command_line_upgrades_a_ledger_from_a_clone(tmp_path):
     assert result.returncode == 0, result.stderr
     assert _revision(path) == SCHEMA_HEAD
     assert _objects(path)["view"] == VIEWS
+
+
+def test_an_install_ships_the_migrations_inside_the_ledger_package_not_as_a_top_level_package(
+    tmp_path,
+):
+    """A wheel holds layout_ledger/migrations/ (env.py, the mako template, every revision) and no
+    top-level ``migrations`` package; installed from it, the ledger creates and upgrades files."""
+    import zipfile
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(tmp_path / "wheel"), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [name for name in names if name.startswith("migrations/")]
+    revisions = sorted(p.name for p in (ROOT / "migrations" / "versions").glob("*.py"))
+    for shipped in ["env.py", "script.py.mako", *[f"versions/{r}" for r in revisions]]:
+        assert f"layout_ledger/migrations/{shipped}" in names
+    target = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(target)
+    script = (
+        "import sys, layout_ledger.migrate as m; from layout_ledger.ledger import Ledger\n"
+        "assert str(m.migrations_dir()).startswith(sys.argv[1]), m.migrations_dir()\n"
+        "Ledger.open(sys.argv[2]).close()\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", script, str(target), str(tmp_path / "l.sqlite")],
+        check=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+    )
+    LedgerReader(tmp_path / "l.sqlite").close()  # opens only a ledger at the head revision
