@@ -3,7 +3,7 @@
 A map is ``num_layers`` rows of ``num_physical_slots`` Python ints, each the logical expert held
 in that slot (the same shape as ``ExpertLocationMetadata.physical_to_logical_map``).
 
-The digest is ``sha256(json.dumps(map, separators=(",", ":")))`` (PROTOCOL.md). Compact JSON of a
+The digest is ``sha256(json.dumps(map, separators=(",", ":")))`` (docs/protocol.md). Compact JSON of a
 list of rows is ``"[" + ",".join(row_json) + "]"``, so the digest can be computed from each
 row's JSON text; the ledger stores exactly that text per row, and a commit re-serializes only
 the rows it moved.
@@ -71,7 +71,7 @@ def digest_of_row_jsons(row_jsons: Sequence[str]) -> str:
 
 
 def layout_digest(physical_to_logical_map: Sequence[Sequence[int]]) -> str:
-    """SHA-256 of the map as PROTOCOL.md defines it (compact JSON, 64 lowercase hex chars)."""
+    """SHA-256 of the map as docs/protocol.md defines it (compact JSON, 64 lowercase hex chars)."""
     encoded = json.dumps(
         [list(row) for row in physical_to_logical_map], separators=(",", ":")
     ).encode()

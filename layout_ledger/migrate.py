@@ -18,7 +18,6 @@ from layout_ledger.schema import KNOWN_REVISIONS, SCHEMA_HEAD
 logger = logging.getLogger(__name__)
 
 
-
 def migrations_dir() -> Path:
     """The Alembic environment: the top-level ``migrations/`` folder of a source tree, which an
     install ships as the package ``layout_ledger.migrations`` (setup.cfg ``package_dir``)."""

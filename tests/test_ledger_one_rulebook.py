@@ -135,9 +135,7 @@ def _assert_all_agree(ledger, record, name: str) -> None:
 
 
 @pytest.mark.parametrize("history", ["moves, refusals and prunes", "dirty"])
-def test_the_views_the_replay_and_the_live_record_agree_after_every_transition(
-    tmp_path, history
-):
+def test_the_views_the_replay_and_the_live_record_agree_after_every_transition(tmp_path, history):
     ledger = open_ledger(tmp_path / "l.sqlite")
     record = start(ledger)
     rng = random.Random(5)

@@ -1,4 +1,4 @@
-"""The forensic views: the stable, sqlite3-facing interface of DESIGN.md.
+"""The forensic views: the stable, sqlite3-facing interface (docs/design.md).
 
 ledger_incarnations, ledger_events, ledger_current_layout, ledger_layout_history, and
 ledger_attachments (which engines were attached when). Tables may change in later revisions;
