@@ -3,9 +3,9 @@
 A map is ``num_layers`` rows of ``num_physical_slots`` Python ints, each the logical expert held
 in that slot (the same shape as ``ExpertLocationMetadata.physical_to_logical_map``).
 
-The digest is ``sha256(json.dumps(map, separators=(",", ":")))`` (docs/protocol.md). Compact JSON of a
-list of rows is ``"[" + ",".join(row_json) + "]"``, so the digest can be computed from each
-row's JSON text; the ledger stores exactly that text per row, and a commit re-serializes only
+The digest is ``sha256(json.dumps(map, separators=(",", ":")))`` (docs/protocol.md). Compact
+JSON of a list of rows is ``"[" + ",".join(row_json) + "]"``, so the digest can be computed from
+each row's JSON text; the ledger stores exactly that text per row, and a commit re-serializes only
 the rows it moved.
 """
 

@@ -4,8 +4,8 @@ Every function is pure: it reads a state view and the request's fields and eithe
 validated input or raises. ``LayoutRecord`` calls them under its lock before it writes anything,
 so a refused request can never change the record.
 
-Order inside ``check_begin`` follows docs/protocol.md: "A begin that would be refused is refused, never
-busy", so every permanent refusal is checked before the two busy conditions.
+Order inside ``check_begin`` follows docs/protocol.md: "A begin that would be refused is
+refused, never busy", so every permanent refusal is checked before the two busy conditions.
 """
 
 from __future__ import annotations

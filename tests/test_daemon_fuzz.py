@@ -12,8 +12,8 @@ and raw garbage bytes. Afterwards:
 - the ledger's layout record is unchanged: ``incarnations``, ``versions``, ``layout_rows`` and
   every event that is not a refusal audit entry; each request answered ``refused`` / ``busy``
   / ``layout_refused`` appended exactly one ``*_refused`` / ``begin_busy`` event, and nothing
-  else appended any (docs/protocol.md: refusals are events, docs/design.md "an event row for every ...
-  refused begin/fetch");
+  else appended any (docs/protocol.md: refusals are events; docs/design.md: an event row for
+  every refusal);
 - no reply was an ``error`` with a ``reason`` (the plugin's own failure path).
 """
 

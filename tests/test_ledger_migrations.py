@@ -153,17 +153,26 @@ def test_an_install_ships_the_migrations_inside_the_ledger_package_not_as_a_top_
 ):
     """A wheel holds layout_ledger/migrations/ (env.py, the mako template, every revision) and no
     top-level ``migrations`` package; installed from it, the ledger creates and upgrades files."""
-    import zipfile
-
     import shutil
+    import zipfile
 
     source = tmp_path / "source"  # setuptools writes build/ into the tree it builds
     shutil.copytree(
         ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "__pycache__")
     )
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-        + ["-w", str(tmp_path / "wheel"), str(source)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(source),
+        ],
         check=True,
         capture_output=True,
     )

@@ -14,7 +14,7 @@ import random
 import sqlite3
 
 import pytest
-from ledger_support import SMALL, open_ledger, random_row, start
+from ledger_support import open_ledger, random_row, start
 
 from layout_ledger import errors
 from layout_ledger.reader import LedgerReader
@@ -159,7 +159,7 @@ def test_a_pruned_history_still_replays_and_verifies(tmp_path):
     ledger = open_ledger(tmp_path / "l.sqlite")
     record = start(ledger)
     rng = random.Random(2)
-    for name, step in _steps(ledger, record, rng):
+    for _, step in _steps(ledger, record, rng):
         with contextlib.suppress(errors.RequestRefused, errors.MoveBusy):
             step()
     ledger.close()
