@@ -40,14 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from layout_ledger.layout import Map, layout_digest, trivial_map
-from sglang_integration.testing.cpu_engine import (
+from harness.cpu_engine import (
     CpuEngine,
     EngineSpec,
     engine_process_context,
     free_port,
     write_tiny_moe_config,
 )
+from layout_ledger.layout import Map, layout_digest, trivial_map
 
 # How long the parent waits for a daemon to see an engine's EOF (a thread of its own does).
 DETACH_TIMEOUT = 30.0
@@ -187,7 +187,7 @@ class Workspace:
         the forkserver's keep-alive pipe first (``release_forkserver``), so that no daemon
         outlives this process even when it is SIGKILLed.
         """
-        from sglang_integration.testing.daemon_control import (
+        from harness.daemon_control import (
             DaemonProcess,
             daemon_argv,
             wait_until_serving,
@@ -220,7 +220,7 @@ class Workspace:
 
     def experts(self, case: str) -> Path:
         """New shared-memory experts in the daemons' initial layout (a daemon's fresh load)."""
-        from sglang_integration.testing.shared_experts import (
+        from harness.shared_experts import (
             ExpertTensorShape,
             create_shared_experts,
         )
@@ -271,7 +271,7 @@ class Workspace:
         return alive
 
     def close(self) -> None:
-        from sglang_integration.testing.shared_experts import remove_shared_experts
+        from harness.shared_experts import remove_shared_experts
 
         for engine in self._engines:
             with contextlib.suppress(Exception):
@@ -314,15 +314,15 @@ def _import_parent_side() -> None:
     import importlib
 
     # sglang's framing of every daemon request (it imports sglang), and torch.
-    for module in ("sglang.srt.weight_cache.protocol", "sglang_integration.testing.shared_experts"):
+    for module in ("sglang.srt.weight_cache.protocol", "harness.shared_experts"):
         importlib.import_module(module)
 
 
 def _run_daemon(argv: list[str], log_path: str) -> None:
     """Forkserver child: the model-less daemon's ``main``, output to ``log_path``."""
+    from harness.cpu_engine import release_forkserver
+    from harness.daemon_control import redirect_output
     from sglang_integration.testing import daemon
-    from sglang_integration.testing.cpu_engine import release_forkserver
-    from sglang_integration.testing.daemon_control import redirect_output
 
     release_forkserver()
     redirect_output(log_path)
@@ -366,13 +366,13 @@ def wait_for_daemons(
 
 def held_map(expert_dir: Path) -> Map:
     """Which logical expert every slot's bytes hold, read by this process from shared memory."""
-    from sglang_integration.testing.shared_experts import read_physical_to_logical_map
+    from harness.shared_experts import read_physical_to_logical_map
 
     return read_physical_to_logical_map(expert_dir)
 
 
 def matching(held: Map, the_map: Map) -> int:
-    from sglang_integration.testing.shared_experts import count_matching_slots
+    from harness.shared_experts import count_matching_slots
 
     return count_matching_slots(held, the_map)
 

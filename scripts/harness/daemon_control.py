@@ -4,7 +4,9 @@ Importing sglang costs seconds on a small CPU, and the tests start many short-li
 engine-side processes. ``process_context()`` is a ``multiprocessing`` forkserver context whose
 server imports sglang's daemon, the plugin and the ledger once; every process it starts is a
 fresh, separate process forked from that warm server in milliseconds, and runs the same code a
-cold start would (``sglang_integration.testing.daemon.main``, ``client.attach``...).
+cold start would (``sglang_integration.testing.daemon.main``, ``client.attach``...). Its children
+import this harness by name (``harness.*``): ``scripts`` must be on ``sys.path``, as it is for a
+script run as ``python scripts/x.py`` and for pytest (pyproject's ``pythonpath``).
 ``start_daemon(..., via_cli=True)`` starts ``python -m sglang_integration.testing.daemon`` with
 ``subprocess`` instead, the way a person would.
 
@@ -33,6 +35,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from layout_ledger.sglang_env import QUIET_SGLANG_ENV
+
 # Imported once by the forkserver; a module missing here is imported by each child instead.
 # One list for daemons and engine ranks alike: the server's preload list is fixed when it first
 # starts, and whichever test or demo starts it first decides for everyone after.
@@ -56,8 +60,8 @@ PRELOAD_MODULES = (
     "sglang_integration.client",
     "sglang_integration.daemon_hooks",
     "sglang_integration.testing.daemon",
-    "sglang_integration.testing.daemon_control",
-    # what an engine rank imports (sglang_integration.testing.cpu_engine)
+    "harness.daemon_control",
+    # what an engine rank imports (harness.cpu_engine)
     "sglang.srt.model_executor.model_runner",
     "sglang.srt.weight_cache.ipc_loader",
     "sglang.srt.server_args",
@@ -70,27 +74,22 @@ PRELOAD_MODULES = (
     "sglang_integration.loader_hooks",
     "sglang_integration.expert_metadata",
     "sglang_integration.rebalance",
-    "sglang_integration.testing.shared_experts",
+    "harness.shared_experts",
 )
 
-# sglang's import noise off, gloo on loopback: for the forkserver and every process it starts.
-QUIET_ENV = {
-    "SGLANG_DISABLED_MODEL_ARCHS": "falcon_mamba,inkling,mamba,midashenglm",
-    "GLOO_SOCKET_IFNAME": "lo",
-}
 START_TIMEOUT = 90.0
 REQUEST_TIMEOUT = 30.0
 
 
 def process_context() -> ForkServerContext:
     """The forkserver context, its server running (started with ``PRELOAD_MODULES`` imported
-    and ``QUIET_ENV`` set, which its children inherit)."""
+    and ``QUIET_SGLANG_ENV`` set, which its children inherit)."""
     context = multiprocessing.get_context("forkserver")
     if not isinstance(context, ForkServerContext):
         raise RuntimeError("this platform has no multiprocessing forkserver")
     context.set_forkserver_preload(list(PRELOAD_MODULES))
-    saved = {key: os.environ.get(key) for key in QUIET_ENV}
-    os.environ.update(QUIET_ENV)  # the server reads these while it imports
+    saved = {key: os.environ.get(key) for key in QUIET_SGLANG_ENV}
+    os.environ.update(QUIET_SGLANG_ENV)  # the server reads these while it imports
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
@@ -322,7 +321,7 @@ def start_daemon(
                 [sys.executable, "-m", "sglang_integration.testing.daemon", *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **QUIET_ENV},
+                env={**os.environ, **QUIET_SGLANG_ENV},
             )
     else:
         handle.process = process_context().Process(

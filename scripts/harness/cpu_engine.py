@@ -49,13 +49,9 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from sglang_integration.testing.daemon_control import QUIET_ENV
+from layout_ledger.sglang_env import QUIET_SGLANG_ENV
 
 logger = logging.getLogger(__name__)
-
-# sglang's import noise off, gloo on loopback (the one dict lives with the forkserver).
-SGLANG_QUIET_ENV = QUIET_ENV
-
 
 # Seconds a blocked rank sleeps per turn while it waits to be killed.
 _BLOCK_SLEEP = 3600.0
@@ -63,7 +59,7 @@ _BLOCK_SLEEP = 3600.0
 
 def engine_process_context() -> ForkServerContext:
     """The forkserver context, its server running (``daemon_control.process_context``)."""
-    from sglang_integration.testing.daemon_control import process_context
+    from harness.daemon_control import process_context
 
     return process_context()
 
@@ -137,7 +133,7 @@ def start_cpu_engine_rank(
 ) -> Any:
     """In a fresh process: publish real ServerArgs for this rank, build sglang's world group on
     gloo, and install the initial (trivial) expert location metadata. Returns the ModelConfig."""
-    os.environ.update(SGLANG_QUIET_ENV)
+    os.environ.update(QUIET_SGLANG_ENV)
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.eplb.expert_location import (
         ExpertLocationMetadata,
@@ -338,12 +334,12 @@ class _EngineRank:
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        from sglang_integration.testing.shared_experts import (
+        from harness.shared_experts import (
             SharedExpertsModel,
             attach_shared_experts,
             read_shape,
         )
-        from sglang_integration.testing.synthetic_load import SyntheticLoadRecorder
+        from harness.synthetic_load import SyntheticLoadRecorder
 
         spec, rank = self.spec, self.rank
         _counters_on_the_cpu()
@@ -528,7 +524,7 @@ class _RunnerAttributes:
 
 def _log_to(path: str | None) -> None:
     if path is not None:
-        from sglang_integration.testing.daemon_control import redirect_output
+        from harness.daemon_control import redirect_output
 
         redirect_output(path)
     logging.basicConfig(
@@ -548,7 +544,7 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     with ``{"event": "error", "error": traceback}``.
     """
     _log_to(spec.log_path(rank))
-    os.environ.update(SGLANG_QUIET_ENV)
+    os.environ.update(QUIET_SGLANG_ENV)
     from sglang.srt.utils import kill_itself_when_parent_died
 
     # Die with the forkserver, which exits with the process that started it: a rank stopped
