@@ -20,8 +20,8 @@ that imported sglang once (``engine_process_context``). Each rank (``run_engine_
    ``StoppableUpdater``) and ``SyntheticLoadRecorder`` standing in for the expert distribution
    recorder (nothing routes tokens here);
 6. obeys the parent's commands on a pipe (``CpuEngine`` is the parent's handle): rebalance,
-   report, wait until alone on its daemon, stop at a chosen point of a rebalance so that the
-   parent can SIGKILL it there, exit.
+   wait until alone on its daemon, stop at a chosen point of a rebalance so that the parent can
+   SIGKILL it there, exit.
 
 Two GPU stand-ins, and only these: the namespace runner of step 3 (with the expert distribution
 recorder's counters on the CPU, ``_counters_on_the_cpu``) and the shared-memory experts of
@@ -538,10 +538,10 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     """Process target: one engine rank. Sends ``started`` (with a report) or ``startup_failed``
     (the startup hook refused: ``error`` is its reason), then answers commands until ``exit``.
 
-    Commands are ``(verb, fields)``: ``rebalance`` (count), ``report``, ``wait_alone``
-    (timeout), ``stop_between_chunks`` / ``stop_in_move`` (count of whole rebalances first; the
-    rank then sends ``stopped`` and waits to be killed), ``exit``. A failed command is answered
-    with ``{"event": "error", "error": traceback}``.
+    Commands are ``(verb, fields)``: ``rebalance`` (count), ``wait_alone`` (timeout),
+    ``stop_between_chunks`` / ``stop_in_move`` (count of whole rebalances first; the rank then
+    sends ``stopped`` and waits to be killed), ``exit``. A failed command is answered with
+    ``{"event": "error", "error": traceback}``.
     """
     _log_to(spec.log_path(rank))
     os.environ.update(QUIET_SGLANG_ENV)
@@ -586,8 +586,6 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
         try:
             if verb == "rebalance":
                 reply: dict[str, Any] = engine.rebalance(int(fields["count"]))
-            elif verb == "report":
-                reply = engine.report()
             elif verb == "wait_alone":
                 reply = engine.wait_alone(float(fields["timeout"]))
             elif verb == "stop_between_chunks":
@@ -669,9 +667,6 @@ class CpuEngine:
     def rebalance(self, count: int, timeout: float = 180.0) -> list[dict[str, Any]]:
         return self.ask("rebalance", timeout, count=count)
 
-    def report(self, timeout: float = 60.0) -> list[dict[str, Any]]:
-        return self.ask("report", timeout)
-
     def wait_alone(self, timeout: float = 30.0) -> list[dict[str, Any]]:
         return self.ask("wait_alone", timeout + 10.0, timeout=timeout)
 
@@ -711,9 +706,6 @@ class CpuEngine:
         deadline = time.monotonic() + timeout
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
-
-    def exit_codes(self) -> list[int | None]:
-        return [process.exitcode for process in self.processes]
 
     def _receive_all(self, timeout: float, what: str) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout

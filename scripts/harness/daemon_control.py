@@ -12,7 +12,7 @@ script run as ``python scripts/x.py`` and for pytest (pyproject's ``pythonpath``
 
 - ``start_daemon`` / ``DaemonProcess``: a model-less daemon, ready when its socket serves.
 - ``EngineStandIn``: a separate engine-side process that attaches to a daemon (the connection
-  stays open for its lifetime), then begins, commits, aborts, queries or fetches when told, and
+  stays open for its lifetime), then begins, commits, aborts or fetches when told, and
   can be killed with SIGKILL at any point.
 - ``request`` / ``send_raw``: one request (or raw bytes) on a short connection, sglang framing.
 """
@@ -369,8 +369,6 @@ def _engine_stand_in(socket_path: str, engine_id: str, commands: Connection) -> 
             reply = client.commit(socket_path, engine_id, fields["rows"])
         elif verb == "abort":
             reply = client.abort(socket_path, engine_id)
-        elif verb == "query":
-            reply = client.query(socket_path)
         elif verb == "fetch_state":
             message: dict[str, Any] = {"type": "fetch_state", "config": fields["config"]}
             if fields.get("expert_layout") is not None:
@@ -438,9 +436,6 @@ class EngineStandIn:
 
     def abort(self) -> Any:
         return self._ask("abort")
-
-    def query(self) -> Any:
-        return self._ask("query")
 
     def fetch_state(self, config: Mapping[str, Any], expert_layout: Any = None) -> Any:
         return self._ask("fetch_state", config=dict(config), expert_layout=expert_layout)
