@@ -27,10 +27,7 @@ from typing import Any
 from layout_ledger.errors import LedgerError
 from layout_ledger.layout import Geometry, Map
 from layout_ledger.report import JsonObject
-
-# sglang's model registry logs an import error per optional architecture it cannot load on a
-# CPU-only install; these are the ones of 0.5.23 (reference/sglang-on-cpu-facts.md).
-QUIET_ARCHS = "falcon_mamba,inkling,mamba,midashenglm"
+from layout_ledger.sglang_env import DISABLED_MODEL_ARCHS_ENV, QUIET_ARCHS
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ def _first_difference(expected: Map, actual: list[list[int]]) -> str:
 def _metadata_map(
     export_path: Path, model_path: Path, geometry: Geometry, ep_size: int
 ) -> tuple[Any, list[list[int]] | None]:
-    os.environ.setdefault("SGLANG_DISABLED_MODEL_ARCHS", QUIET_ARCHS)
+    os.environ.setdefault(DISABLED_MODEL_ARCHS_ENV, QUIET_ARCHS)
     from sglang.srt.configs.model_config import ModelConfig  # type: ignore[import-untyped]
     from sglang.srt.eplb.expert_location import (  # type: ignore[import-untyped]
         ModelConfigForExpertLocation,

@@ -222,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _terminate)
     print("starting (imports take a few seconds)...", flush=True)
-    from sglang_integration.testing import demo_cases
+    from layout_ledger.sglang_env import set_quiet_sglang_env
+
+    set_quiet_sglang_env()  # before anything imports sglang, here or in a process started here
+    import demo_cases
 
     config = demo_cases.DemoConfig(case1_rebalances=args.rebalances)
     workspace = demo_cases.Workspace(config, keep=args.keep)

@@ -43,7 +43,6 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py="${PYTHON:-$root/.venv/bin/python}"
-export SGLANG_DISABLED_MODEL_ARCHS="${SGLANG_DISABLED_MODEL_ARCHS:-falcon_mamba,inkling,mamba,midashenglm}"
 exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-480}" "$py" - <<'PY'
 import json
 import os
@@ -57,6 +56,11 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from layout_ledger.sglang_env import DISABLED_MODEL_ARCHS_ENV, QUIET_ARCHS
+
+# sglang's import noise off in the daemons and engines started below (they inherit it).
+os.environ.setdefault(DISABLED_MODEL_ARCHS_ENV, QUIET_ARCHS)
 
 T0 = time.monotonic()
 PY = sys.executable

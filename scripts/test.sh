@@ -8,11 +8,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 scripts/bootstrap.sh
 py=.venv/bin/python
-export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
-export SGLANG_DISABLED_MODEL_ARCHS="${SGLANG_DISABLED_MODEL_ARCHS:-falcon_mamba,inkling,mamba,midashenglm}"
 echo "== lint" >&2
 "$py" -m ruff format --check .
 "$py" -m ruff check .
 "$py" -m mypy
+# tests/conftest.py sets the quiet sglang environment (layout_ledger.sglang_env)
 echo "== tests" >&2
 "$py" -m pytest "$@"

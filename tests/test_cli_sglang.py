@@ -22,11 +22,12 @@ from typing import Any
 
 import pytest
 from cli_ledgers import MOVES, build, map_after, run_cli
-from test_updater_shared_experts import SGLANG_QUIET_ENV, write_tiny_moe_config
+from test_updater_shared_experts import write_tiny_moe_config
 
 from layout_ledger import exit_codes
 from layout_ledger.reader import LedgerReader
 from layout_ledger.report import format_physical_to_logical_map
+from layout_ledger.sglang_env import QUIET_SGLANG_ENV
 
 rng = random.Random(5)
 RANDOM_MAP = [[rng.randrange(16) for _ in range(24)] for _ in range(5)]
@@ -107,7 +108,7 @@ def sglang_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-c", SGLANG_SCRIPT, json.dumps(work)],
-        env={**os.environ, **SGLANG_QUIET_ENV},
+        env={**os.environ, **QUIET_SGLANG_ENV},
         capture_output=True,
         text=True,
         timeout=240,

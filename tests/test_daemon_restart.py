@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
-from layout_ledger import messages as msg
-from layout_ledger.layout import layout_digest, trivial_map
-from layout_ledger.reader import LedgerReader
-from sglang_integration import client
-from sglang_integration.testing.daemon_control import (
+from harness.daemon_control import (
     DaemonProcess,
     EngineStandIn,
     request,
     start_daemon,
 )
+from layout_ledger import messages as msg
+from layout_ledger.layout import layout_digest, trivial_map
+from layout_ledger.reader import LedgerReader
+from sglang_integration import client
 
 pytestmark = pytest.mark.timeout(180)
 

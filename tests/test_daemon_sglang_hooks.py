@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from sglang_integration.testing.cpu_engine import write_tiny_moe_config
-from sglang_integration.testing.daemon_control import process_context, redirect_output
+from harness.cpu_engine import write_tiny_moe_config
+from harness.daemon_control import process_context, redirect_output
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,8 +1,8 @@
 """A reduced run of the CPU end-to-end demo (``scripts/demo.py``): the same three cases and the
-forensics, with fewer rebalances, through the same code (``sglang_integration.testing.
-demo_cases``): real model-less daemons with ledgers, engines of 2 gloo rank processes running
-sglang's real startup method, ``EPLBManager`` and ``ExpertLocationUpdater`` through the plugin's
-real hooks, shared-memory experts, SIGKILLs, and the ``layout-ledger`` console script.
+forensics, with fewer rebalances, through the same code (``scripts/demo_cases``): real
+model-less daemons with ledgers, engines of 2 gloo rank processes running sglang's real startup
+method, ``EPLBManager`` and ``ExpertLocationUpdater`` through the plugin's real hooks,
+shared-memory experts, SIGKILLs, and the ``layout-ledger`` console script.
 
 Each test names the rule its case protects and fails with the demo's failed checks listed.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_integration.testing.demo_cases import (
+from demo_cases import (
     CaseResult,
     DemoConfig,
     DemoRun,

@@ -9,7 +9,7 @@ the three attributes the method and the hook read (``is_draft_worker``, ``model_
 distribution recorder that the original method builds allocates its counters on the CPU
 instead of the accelerator (see ``_rank_main``).
 
-Processes come from the forkserver of ``sglang_integration.testing.cpu_engine`` that has
+Processes come from the forkserver of ``harness.cpu_engine`` that has
 imported sglang once (``sglang_context``), so a rank or a daemon starts in about a second
 instead of paying sglang's ~12 s import each time; each child still publishes its own config,
 and nothing of sglang runs in the pytest process.
@@ -37,15 +37,15 @@ from typing import Any
 
 import pytest
 
-from layout_ledger import messages
-from layout_ledger.layout import layout_digest, trivial_map
-from sglang_integration.testing.cpu_engine import (
-    SGLANG_QUIET_ENV,
+from harness.cpu_engine import (
     LogCapture,
     free_port,
     write_tiny_moe_config,
 )
-from sglang_integration.testing.daemon_control import DaemonProcess
+from harness.daemon_control import DaemonProcess
+from layout_ledger import messages
+from layout_ledger.layout import layout_digest, trivial_map
+from layout_ledger.sglang_env import QUIET_SGLANG_ENV
 
 NUM_LAYERS = 3
 NUM_LOGICAL = 8
@@ -55,7 +55,7 @@ NUM_SLOTS = NUM_LOGICAL + NUM_REDUNDANT
 
 def sglang_context() -> Any:
     """The shared forkserver context, its server preloading the daemon and the engine side."""
-    from sglang_integration.testing.cpu_engine import engine_process_context
+    from harness.cpu_engine import engine_process_context
 
     return engine_process_context()
 
@@ -88,7 +88,8 @@ def write_tiny_dense_config(directory: Path) -> Path:
 
 def _serve_daemon_stating(argv: list[str], cache_config: dict[str, Any], log_path: str) -> None:
     """Forkserver child: the model-less daemon's ``main``, stating ``cache_config``."""
-    from sglang_integration.testing import daemon, daemon_control
+    from harness import daemon_control
+    from sglang_integration.testing import daemon
 
     daemon_control.redirect_output(log_path)
     daemon.model_less_cache_config = lambda geometry: cache_config
@@ -109,7 +110,7 @@ def model_less_daemon(
     own daemon). With ``cache_config`` it states that ``CacheConfig`` instead of its model-less
     one, so that a real engine's ``fetch_state`` passes the config check.
     """
-    from sglang_integration.testing.daemon_control import (
+    from harness.daemon_control import (
         daemon_argv,
         start_daemon,
         wait_until_serving,
@@ -313,7 +314,7 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
 def _rank_main(
     rank: int, world_size: int, port: int, base: dict[str, Any], commands: Any, results: Any
 ) -> None:
-    os.environ.update(SGLANG_QUIET_ENV)
+    os.environ.update(QUIET_SGLANG_ENV)
     from sglang.srt.distributed.parallel_state import init_distributed_environment
 
     # The one GPU stand-in below the ModelRunner: with --enable-eplb, the original method builds

@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 from test_engine_startup_hook import sglang_context
 
-from sglang_integration.testing.cpu_engine import SGLANG_QUIET_ENV, write_tiny_moe_config
+from harness.cpu_engine import write_tiny_moe_config
+from layout_ledger.sglang_env import QUIET_SGLANG_ENV
 
 NUM_LAYERS = 3
 NUM_LOGICAL = 8
@@ -143,7 +144,7 @@ def _expect_error(fn: Any) -> str | None:
 def _report_for_model(model_dir: str, map_file: str, results: Any) -> None:
     import os
 
-    os.environ.update(SGLANG_QUIET_ENV)
+    os.environ.update(QUIET_SGLANG_ENV)
     from sglang.srt.eplb.expert_location import compute_initial_expert_location_metadata
 
     from sglang_integration.expert_metadata import adopt_map, map_of, metadata_from_map

@@ -26,17 +26,17 @@ from test_updater_shared_experts import (
     write_tiny_moe_config,
 )
 
-from layout_ledger.layout import trivial_map
-from sglang_integration.testing.cpu_engine import (  # routed_map, run_rebalances: re-exported
+from harness.cpu_engine import (  # routed_map, run_rebalances: re-exported
     NoDiskReload,
     routed_map,
     run_rebalances,
 )
-from sglang_integration.testing.shared_experts import (
+from harness.shared_experts import (
     count_matching_slots,
     create_shared_experts,
     read_physical_to_logical_map,
 )
+from layout_ledger.layout import trivial_map
 
 LAYERS_PER_CHUNK = 4  # 8 layers -> 2 chunks per rebalance
 ALL_SLOTS = NUM_LAYERS * SHAPE.num_physical_slots
@@ -72,10 +72,10 @@ def build_rebalancing_engine(
     from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from harness.shared_experts import SharedExpertsModel, attach_shared_experts
+    from harness.synthetic_load import SyntheticLoadRecorder
     from sglang_integration.engine_startup import start_from_daemon_layout
     from sglang_integration.rebalance import HOOK_TARGET, rebalance_around
-    from sglang_integration.testing.shared_experts import SharedExpertsModel, attach_shared_experts
-    from sglang_integration.testing.synthetic_load import SyntheticLoadRecorder
     from sglang_integration.weight_source import WeightSource, record_weight_source
 
     HookRegistry.register(HOOK_TARGET, rebalance_around, HookType.AROUND)

@@ -36,18 +36,18 @@ from test_updater_shared_experts import (
     write_tiny_moe_config,
 )
 
-from layout_ledger.layout import layout_digest, trivial_map
-from sglang_integration.testing.daemon_control import (
+from harness.daemon_control import (
     DaemonProcess,
     EngineStandIn,
     process_context,
     start_daemon,
 )
-from sglang_integration.testing.shared_experts import (
+from harness.shared_experts import (
     count_matching_slots,
     create_shared_experts,
     read_physical_to_logical_map,
 )
+from layout_ledger.layout import layout_digest, trivial_map
 
 INITIAL = trivial_map(NUM_LAYERS, SHAPE.num_physical_slots, NUM_LOGICAL)
 CHUNKS_PER_REBALANCE = 2
@@ -74,8 +74,8 @@ def _unattached_engine_fetch(socket_path: str) -> None:
     The daemon serves it (its digest matches) and, unable to tell when it exits, refuses every
     begin from then on.
     """
+    from harness.daemon_control import request
     from sglang_integration import client
-    from sglang_integration.testing.daemon_control import request
 
     layout = client.query(socket_path).layout
     if layout is None:

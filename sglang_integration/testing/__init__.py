@@ -1,4 +1,8 @@
-"""Helpers for tests and demos on a CPU: the model-less daemon, process control, shared experts.
+"""What a user of the plugin can reuse to test a deployment on a CPU: the model-less daemon.
 
-Import-light on purpose (nothing imported here): each helper module imports what it needs.
+``python -m sglang_integration.testing.daemon`` (``daemon``): sglang's real daemon serve loop
+with the plugin's hooks and a ledger, without a model. The harness built on it for this
+repository's tests, demo and benchmarks lives in ``scripts/harness`` and is not shipped.
+
+Import-light on purpose (nothing imported here).
 """

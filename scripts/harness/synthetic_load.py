@@ -80,9 +80,6 @@ class SyntheticLoadRecorder:
     def start_record(self) -> None:
         self._recording = True
 
-    def stop_record(self) -> None:
-        self._recording = False
-
     def dump_record(self, output_mode: str = "file") -> dict[str, Any]:
         if output_mode != "object":
             raise NotImplementedError("SyntheticLoadRecorder only dumps to an object")

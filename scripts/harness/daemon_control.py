@@ -4,13 +4,15 @@ Importing sglang costs seconds on a small CPU, and the tests start many short-li
 engine-side processes. ``process_context()`` is a ``multiprocessing`` forkserver context whose
 server imports sglang's daemon, the plugin and the ledger once; every process it starts is a
 fresh, separate process forked from that warm server in milliseconds, and runs the same code a
-cold start would (``sglang_integration.testing.daemon.main``, ``client.attach``...).
+cold start would (``sglang_integration.testing.daemon.main``, ``client.attach``...). Its children
+import this harness by name (``harness.*``): ``scripts`` must be on ``sys.path``, as it is for a
+script run as ``python scripts/x.py`` and for pytest (pyproject's ``pythonpath``).
 ``start_daemon(..., via_cli=True)`` starts ``python -m sglang_integration.testing.daemon`` with
 ``subprocess`` instead, the way a person would.
 
 - ``start_daemon`` / ``DaemonProcess``: a model-less daemon, ready when its socket serves.
 - ``EngineStandIn``: a separate engine-side process that attaches to a daemon (the connection
-  stays open for its lifetime), then begins, commits, aborts, queries or fetches when told, and
+  stays open for its lifetime), then begins, commits, aborts or fetches when told, and
   can be killed with SIGKILL at any point.
 - ``request`` / ``send_raw``: one request (or raw bytes) on a short connection, sglang framing.
 """
@@ -32,6 +34,8 @@ from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
+
+from layout_ledger.sglang_env import QUIET_SGLANG_ENV
 
 # Imported once by the forkserver; a module missing here is imported by each child instead.
 # One list for daemons and engine ranks alike: the server's preload list is fixed when it first
@@ -56,8 +60,8 @@ PRELOAD_MODULES = (
     "sglang_integration.client",
     "sglang_integration.daemon_hooks",
     "sglang_integration.testing.daemon",
-    "sglang_integration.testing.daemon_control",
-    # what an engine rank imports (sglang_integration.testing.cpu_engine)
+    "harness.daemon_control",
+    # what an engine rank imports (harness.cpu_engine)
     "sglang.srt.model_executor.model_runner",
     "sglang.srt.weight_cache.ipc_loader",
     "sglang.srt.server_args",
@@ -70,27 +74,22 @@ PRELOAD_MODULES = (
     "sglang_integration.loader_hooks",
     "sglang_integration.expert_metadata",
     "sglang_integration.rebalance",
-    "sglang_integration.testing.shared_experts",
+    "harness.shared_experts",
 )
 
-# sglang's import noise off, gloo on loopback: for the forkserver and every process it starts.
-QUIET_ENV = {
-    "SGLANG_DISABLED_MODEL_ARCHS": "falcon_mamba,inkling,mamba,midashenglm",
-    "GLOO_SOCKET_IFNAME": "lo",
-}
 START_TIMEOUT = 90.0
 REQUEST_TIMEOUT = 30.0
 
 
 def process_context() -> ForkServerContext:
     """The forkserver context, its server running (started with ``PRELOAD_MODULES`` imported
-    and ``QUIET_ENV`` set, which its children inherit)."""
+    and ``QUIET_SGLANG_ENV`` set, which its children inherit)."""
     context = multiprocessing.get_context("forkserver")
     if not isinstance(context, ForkServerContext):
         raise RuntimeError("this platform has no multiprocessing forkserver")
     context.set_forkserver_preload(list(PRELOAD_MODULES))
-    saved = {key: os.environ.get(key) for key in QUIET_ENV}
-    os.environ.update(QUIET_ENV)  # the server reads these while it imports
+    saved = {key: os.environ.get(key) for key in QUIET_SGLANG_ENV}
+    os.environ.update(QUIET_SGLANG_ENV)  # the server reads these while it imports
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
@@ -322,7 +321,7 @@ def start_daemon(
                 [sys.executable, "-m", "sglang_integration.testing.daemon", *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **QUIET_ENV},
+                env={**os.environ, **QUIET_SGLANG_ENV},
             )
     else:
         handle.process = process_context().Process(
@@ -370,8 +369,6 @@ def _engine_stand_in(socket_path: str, engine_id: str, commands: Connection) -> 
             reply = client.commit(socket_path, engine_id, fields["rows"])
         elif verb == "abort":
             reply = client.abort(socket_path, engine_id)
-        elif verb == "query":
-            reply = client.query(socket_path)
         elif verb == "fetch_state":
             message: dict[str, Any] = {"type": "fetch_state", "config": fields["config"]}
             if fields.get("expert_layout") is not None:
@@ -439,9 +436,6 @@ class EngineStandIn:
 
     def abort(self) -> Any:
         return self._ask("abort")
-
-    def query(self) -> Any:
-        return self._ask("query")
 
     def fetch_state(self, config: Mapping[str, Any], expert_layout: Any = None) -> Any:
         return self._ask("fetch_state", config=dict(config), expert_layout=expert_layout)

@@ -20,8 +20,8 @@ that imported sglang once (``engine_process_context``). Each rank (``run_engine_
    ``StoppableUpdater``) and ``SyntheticLoadRecorder`` standing in for the expert distribution
    recorder (nothing routes tokens here);
 6. obeys the parent's commands on a pipe (``CpuEngine`` is the parent's handle): rebalance,
-   report, wait until alone on its daemon, stop at a chosen point of a rebalance so that the
-   parent can SIGKILL it there, exit.
+   wait until alone on its daemon, stop at a chosen point of a rebalance so that the parent can
+   SIGKILL it there, exit.
 
 Two GPU stand-ins, and only these: the namespace runner of step 3 (with the expert distribution
 recorder's counters on the CPU, ``_counters_on_the_cpu``) and the shared-memory experts of
@@ -49,13 +49,9 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from sglang_integration.testing.daemon_control import QUIET_ENV
+from layout_ledger.sglang_env import QUIET_SGLANG_ENV
 
 logger = logging.getLogger(__name__)
-
-# sglang's import noise off, gloo on loopback (the one dict lives with the forkserver).
-SGLANG_QUIET_ENV = QUIET_ENV
-
 
 # Seconds a blocked rank sleeps per turn while it waits to be killed.
 _BLOCK_SLEEP = 3600.0
@@ -63,7 +59,7 @@ _BLOCK_SLEEP = 3600.0
 
 def engine_process_context() -> ForkServerContext:
     """The forkserver context, its server running (``daemon_control.process_context``)."""
-    from sglang_integration.testing.daemon_control import process_context
+    from harness.daemon_control import process_context
 
     return process_context()
 
@@ -137,7 +133,7 @@ def start_cpu_engine_rank(
 ) -> Any:
     """In a fresh process: publish real ServerArgs for this rank, build sglang's world group on
     gloo, and install the initial (trivial) expert location metadata. Returns the ModelConfig."""
-    os.environ.update(SGLANG_QUIET_ENV)
+    os.environ.update(QUIET_SGLANG_ENV)
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.eplb.expert_location import (
         ExpertLocationMetadata,
@@ -338,12 +334,12 @@ class _EngineRank:
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        from sglang_integration.testing.shared_experts import (
+        from harness.shared_experts import (
             SharedExpertsModel,
             attach_shared_experts,
             read_shape,
         )
-        from sglang_integration.testing.synthetic_load import SyntheticLoadRecorder
+        from harness.synthetic_load import SyntheticLoadRecorder
 
         spec, rank = self.spec, self.rank
         _counters_on_the_cpu()
@@ -528,7 +524,7 @@ class _RunnerAttributes:
 
 def _log_to(path: str | None) -> None:
     if path is not None:
-        from sglang_integration.testing.daemon_control import redirect_output
+        from harness.daemon_control import redirect_output
 
         redirect_output(path)
     logging.basicConfig(
@@ -542,13 +538,13 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     """Process target: one engine rank. Sends ``started`` (with a report) or ``startup_failed``
     (the startup hook refused: ``error`` is its reason), then answers commands until ``exit``.
 
-    Commands are ``(verb, fields)``: ``rebalance`` (count), ``report``, ``wait_alone``
-    (timeout), ``stop_between_chunks`` / ``stop_in_move`` (count of whole rebalances first; the
-    rank then sends ``stopped`` and waits to be killed), ``exit``. A failed command is answered
-    with ``{"event": "error", "error": traceback}``.
+    Commands are ``(verb, fields)``: ``rebalance`` (count), ``wait_alone`` (timeout),
+    ``stop_between_chunks`` / ``stop_in_move`` (count of whole rebalances first; the rank then
+    sends ``stopped`` and waits to be killed), ``exit``. A failed command is answered with
+    ``{"event": "error", "error": traceback}``.
     """
     _log_to(spec.log_path(rank))
-    os.environ.update(SGLANG_QUIET_ENV)
+    os.environ.update(QUIET_SGLANG_ENV)
     from sglang.srt.utils import kill_itself_when_parent_died
 
     # Die with the forkserver, which exits with the process that started it: a rank stopped
@@ -590,8 +586,6 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
         try:
             if verb == "rebalance":
                 reply: dict[str, Any] = engine.rebalance(int(fields["count"]))
-            elif verb == "report":
-                reply = engine.report()
             elif verb == "wait_alone":
                 reply = engine.wait_alone(float(fields["timeout"]))
             elif verb == "stop_between_chunks":
@@ -673,9 +667,6 @@ class CpuEngine:
     def rebalance(self, count: int, timeout: float = 180.0) -> list[dict[str, Any]]:
         return self.ask("rebalance", timeout, count=count)
 
-    def report(self, timeout: float = 60.0) -> list[dict[str, Any]]:
-        return self.ask("report", timeout)
-
     def wait_alone(self, timeout: float = 30.0) -> list[dict[str, Any]]:
         return self.ask("wait_alone", timeout + 10.0, timeout=timeout)
 
@@ -715,9 +706,6 @@ class CpuEngine:
         deadline = time.monotonic() + timeout
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
-
-    def exit_codes(self) -> list[int | None]:
-        return [process.exitcode for process in self.processes]
 
     def _receive_all(self, timeout: float, what: str) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout

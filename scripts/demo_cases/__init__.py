@@ -1,0 +1,35 @@
+"""The proposal's three GPU cases, run on the CPU with real processes (``scripts/demo.py``).
+
+Per EP rank a model-less daemon (``sglang_integration.testing.daemon``: sglang's real
+``WeightCacheDaemon`` serve loop with this plugin's hooks and a ledger) and shared-memory expert
+tensors that every engine maps (``harness.shared_experts``: each expert's bytes carry its
+logical id, so any process can tell which expert a slot holds). Engines of 2 ranks on gloo
+(``harness.cpu_engine``) run sglang's real startup method, ``EPLBManager``, ``init_by_eplb`` and
+``ExpertLocationUpdater``, through the plugin's real hooks.
+
+One module per case (``case1``, ``case2``, ``case3``, ``forensics``), the ``workspace`` they
+run in (temp dirs, processes, cleanup), their ``results``, the model shape (``config``) and the
+whole ``run``:
+
+- Case 1: engine A rebalances N times and stops; engine B starts on the same daemons. With the
+  plugin B adopts the ledger's version and every slot holds the expert B's metadata names. The
+  same run with the plugin disabled (sglang's own daemon and engines, no hook) shows the bug:
+  B routes with the initial layout over moved experts.
+- Case 2: a warm standby C attaches; A's begins come back busy and nothing moves; C matches A;
+  after C exits, A rebalances again.
+- Case 3: A is SIGKILLed between two chunks (B adopts the committed version) and, on fresh
+  daemons, inside a move after begin (B refuses to start with the dirty reason).
+- Forensics: ``layout-ledger status``, ``history`` and ``verify`` on the dirty daemon's ledger,
+  and the README's ``sqlite3`` query naming the engine that left it dirty.
+
+Every function returns data (``CaseResult``: checks with expected and measured values, notes,
+seconds); ``scripts/demo.py`` renders it. A check whose expectation fails is a failed check,
+never an exception; a process that fails or hangs raises (``EngineRankError`` and friends).
+"""
+
+from demo_cases.config import DemoConfig
+from demo_cases.results import CaseResult, Check
+from demo_cases.run import DemoRun, run_demo
+from demo_cases.workspace import Workspace
+
+__all__ = ["CaseResult", "Check", "DemoConfig", "DemoRun", "Workspace", "run_demo"]

@@ -1,0 +1,216 @@
+"""Case 1: engine A rebalances N times and stops; engine B starts on the same daemons.
+
+With the plugin B adopts the ledger's version and every slot holds the expert B's metadata
+names. The same run with the plugin disabled (sglang's own daemon and engines, no hook) shows
+the bug: B routes with the initial layout over moved experts.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from demo_cases.results import CaseResult, both, per_rank, slots, yes
+from demo_cases.workspace import Workspace, held_map, matching, query_daemons, wait_for_daemons
+from layout_ledger.layout import Map, layout_digest
+
+
+def run_case1(workspace: Workspace) -> CaseResult:
+    """A rebalances N times and stops; B starts on the same daemons (plugin on)."""
+    config = workspace.config
+    result = CaseResult("Case 1: restart on the same daemons (plugin on)")
+    started = time.monotonic()
+    versions = config.case1_rebalances * config.chunks_per_rebalance
+    daemons = workspace.daemons("case1")
+    expert_dir = workspace.experts("case1")
+    a_reports, layouts = _engine_a_rebalances(workspace, result, daemons, expert_dir)
+    b_reports = _engine_b_adopts(workspace, result, daemons, expert_dir, a_reports[0]["map"])
+    result.facts.update(
+        a_map=a_reports[0]["map"],
+        versions=versions,
+        b_correct=sum(r["matching"] for r in b_reports),
+        b_versions=[r["session"]["version"] for r in b_reports],
+        a_rebalances=[r["state"]["rebalances_done"] for r in a_reports],
+        daemon_versions=[layout.version for layout in layouts],
+    )
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _engine_a_rebalances(
+    workspace: Workspace, result: CaseResult, daemons: list[Any], expert_dir: Path
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """A starts, rebalances N times and exits; its reports and the daemons' layouts after."""
+    config = workspace.config
+    n = config.case1_rebalances
+    versions = n * config.chunks_per_rebalance
+    engine_a = workspace.launch("case1", "A", daemons, expert_dir)
+    result.check(
+        "A starts on the daemons at version",
+        both("0", config.ep_size),
+        per_rank(r["session"]["version"] for r in engine_a.started),
+        all(r["session"]["version"] == 0 for r in engine_a.started),
+    )
+    a_reports = engine_a.rebalance(n)
+    a_map = a_reports[0]["map"]
+    result.check(
+        f"A: rebalances done ({config.chunks_per_rebalance} chunks each)",
+        both(n, config.ep_size),
+        per_rank(r["state"]["rebalances_done"] for r in a_reports),
+        all(r["state"]["rebalances_done"] == n for r in a_reports),
+    )
+    result.check(
+        "A: its layout version (rebalance_state)",
+        both(versions, config.ep_size),
+        per_rank(r["state"]["version"] for r in a_reports),
+        all(r["state"]["version"] == versions for r in a_reports),
+    )
+    result.check(
+        "A: every slot holds the expert A routes to",
+        slots(config.all_slots, config),
+        slots(sum(r["matching"] for r in a_reports), config),
+        sum(r["matching"] for r in a_reports) == config.all_slots,
+    )
+    result.info(
+        "A: slots that moved away from the initial layout",
+        slots(config.all_slots - matching(a_map, config.initial_map()), config),
+    )
+    engine_a.exit()
+    layouts = wait_for_daemons(daemons, lambda layout: not layout.attached, "A detached")
+    result.check(
+        "daemon version after A stopped (rebalances x chunks)",
+        both(versions, config.ep_size),
+        per_rank(layout.version for layout in layouts),
+        all(layout.version == versions for layout in layouts),
+    )
+    result.check(
+        "daemons' map = A's last map; digest = sha256 of it",
+        both("yes", config.ep_size),
+        per_rank("yes" if layout.physical_to_logical_map == a_map else "no" for layout in layouts),
+        all(
+            layout.physical_to_logical_map == a_map and layout.digest == layout_digest(a_map)
+            for layout in layouts
+        ),
+    )
+    return a_reports, layouts
+
+
+def _engine_b_adopts(
+    workspace: Workspace, result: CaseResult, daemons: list[Any], expert_dir: Path, a_map: Map
+) -> list[dict[str, Any]]:
+    """B starts on the daemons A left, adopts their version and reads every slot right."""
+    config = workspace.config
+    versions = config.case1_rebalances * config.chunks_per_rebalance
+    engine_b = workspace.launch("case1", "B", daemons, expert_dir)
+    b_reports = engine_b.started
+    b_map = b_reports[0]["map"]
+    result.check(
+        "B adopts the ledger's version at startup",
+        both(versions, config.ep_size),
+        per_rank(r["session"]["version"] for r in b_reports),
+        all(r["session"]["version"] == versions for r in b_reports),
+    )
+    line = startup_line(b_reports[0])
+    logged = [f"at version {versions} " in (startup_line(r) or "") for r in b_reports]
+    result.check(
+        "B logs: routes with the daemon's layout at it",
+        both("yes", config.ep_size),
+        per_rank(yes(value) for value in logged),
+        all(logged),
+    )
+    result.check(
+        "B's metadata map = A's last map",
+        "yes",
+        "yes" if all(r["map"] == a_map for r in b_reports) else "no",
+        all(r["map"] == a_map for r in b_reports),
+    )
+    b_correct = sum(r["matching"] for r in b_reports)
+    result.check(
+        "B: slots holding the expert B's map names (B's view)",
+        slots(config.all_slots, config),
+        slots(b_correct, config),
+        b_correct == config.all_slots,
+    )
+    held = held_map(expert_dir)
+    result.check(
+        "B: the same, read from shared memory by this process",
+        slots(config.all_slots, config),
+        slots(matching(held, b_map), config),
+        matching(held, b_map) == config.all_slots,
+    )
+    engine_b.exit()
+    if line:
+        result.notes.append(f"B's startup log (rank 0): {line}")
+    return b_reports
+
+
+def startup_line(report: dict[str, Any]) -> str | None:
+    for _, line in report.get("logs", []):
+        if line.startswith("Routing with the weight cache daemon's expert layout"):
+            return str(line)
+    return None
+
+
+def run_case1_without_plugin(workspace: Workspace, plugin_a_map: Map | None) -> CaseResult:
+    """The same run with the plugin disabled: sglang's own daemon and engines, no hook."""
+    from sglang_integration import client
+
+    config = workspace.config
+    result = CaseResult("Case 1, plugin disabled: the bug (sglang 0.5.23's own behaviour)")
+    started = time.monotonic()
+    n = config.case1_rebalances
+    daemons = workspace.daemons("case1-no-plugin", record="no-plugin")
+    expert_dir = workspace.experts("case1-no-plugin")
+    replies = query_daemons(daemons)
+    result.check(
+        "sglang's own daemon answers expert_layout_query",
+        both("older_daemon", config.ep_size),
+        per_rank(reply.outcome.value for reply in replies),
+        all(reply.outcome is client.Outcome.OLDER_DAEMON for reply in replies),
+    )
+    engine_a = workspace.launch("case1-no-plugin", "A", daemons, expert_dir, plugin=False)
+    a_reports = engine_a.rebalance(n)
+    a_map = a_reports[0]["map"]
+    result.check(
+        "A (no plugin): rebalances run",
+        both(n, config.ep_size),
+        per_rank(r["rebalances_run"] for r in a_reports),
+        all(r["rebalances_run"] == n for r in a_reports),
+    )
+    result.check(
+        "A: slots holding the expert A routes to (A is right)",
+        slots(config.all_slots, config),
+        slots(sum(r["matching"] for r in a_reports), config),
+        sum(r["matching"] for r in a_reports) == config.all_slots,
+    )
+    if plugin_a_map is not None:
+        result.info(
+            "A's moves = the plugin run's (same loads)", "yes" if a_map == plugin_a_map else "no"
+        )
+    engine_a.exit()
+    engine_b = workspace.launch("case1-no-plugin", "B", daemons, expert_dir, plugin=False)
+    b_map = engine_b.started[0]["map"]
+    result.check(
+        "B (no plugin) routes with",
+        "the initial layout",
+        "the initial layout" if b_map == config.initial_map() else "another layout",
+        b_map == config.initial_map(),
+    )
+    held = held_map(expert_dir)
+    wrong = config.all_slots - matching(held, b_map)
+    result.check(
+        "B: slots read wrongly (not the expert B's map names)",
+        "> 0 (the bug)",
+        slots(wrong, config),
+        wrong > 0,
+    )
+    result.info("shared memory holds A's last layout", slots(matching(held, a_map), config))
+    engine_b.exit()
+    result.facts.update(
+        wrong=wrong,
+        b_correct=config.all_slots - wrong,
+        a_rebalances=[r["rebalances_run"] for r in a_reports],
+    )
+    result.seconds = time.monotonic() - started
+    return result

@@ -1,0 +1,57 @@
+"""The whole demo: every case in order, then the forensics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from demo_cases.case1 import run_case1, run_case1_without_plugin
+from demo_cases.case2 import run_case2
+from demo_cases.case3 import run_case3
+from demo_cases.config import DemoConfig
+from demo_cases.forensics import CommandOutput, run_forensics
+from demo_cases.results import CaseResult, Check
+from demo_cases.workspace import Workspace
+
+
+@dataclass
+class DemoRun:
+    config: DemoConfig
+    forkserver_seconds: float = 0.0
+    cases: list[CaseResult] = field(default_factory=list)
+    commands: list[CommandOutput] = field(default_factory=list)
+    query: tuple[str, list[str], list[tuple[Any, ...]]] | None = None
+
+    @property
+    def failed(self) -> list[tuple[str, Check]]:
+        return [(case.title, check) for case in self.cases for check in case.failed]
+
+
+def run_demo(
+    workspace: Workspace,
+    readme: Path,
+    on_case: Callable[[CaseResult], None] | None = None,
+) -> DemoRun:
+    """Every case in order; ``on_case`` sees each result as soon as it is ready."""
+    run = DemoRun(workspace.config)
+    if workspace.context is None:
+        workspace.start_processes()
+    run.forkserver_seconds = workspace.startup_seconds
+
+    def done(case: CaseResult) -> CaseResult:
+        run.cases.append(case)
+        if on_case is not None:
+            on_case(case)
+        return case
+
+    case1 = done(run_case1(workspace))
+    done(run_case1_without_plugin(workspace, case1.facts.get("a_map")))
+    done(run_case2(workspace))
+    case3, dirty_daemons = run_case3(workspace)
+    done(case3)
+    forensics, run.commands, run.query = run_forensics(dirty_daemons[0].ledger_path, readme, case3)
+    forensics.facts.update(commands=run.commands, query=run.query)
+    done(forensics)
+    return run

@@ -1,0 +1,270 @@
+"""The demo's workspace: temp dirs, the forkserver, daemons, shared-memory experts and engines
+started in it, their cleanup, and reading what they serve and hold."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from demo_cases.config import DemoConfig
+from harness.cpu_engine import (
+    CpuEngine,
+    EngineSpec,
+    engine_process_context,
+    free_port,
+    write_tiny_moe_config,
+)
+from layout_ledger.layout import Map
+
+# How long the parent waits for a daemon to see an engine's EOF (a thread of its own does).
+DETACH_TIMEOUT = 30.0
+
+
+class Workspace:
+    """A temp dir for everything, the processes started in it, and their cleanup.
+
+    Expert tensors live in a second temp dir under ``/dev/shm`` (shared memory) where there is
+    one. ``close`` kills every engine rank still running, stops every daemon and removes both
+    dirs (unless ``keep``); it runs on success, failure and Ctrl-C alike.
+    """
+
+    def __init__(self, config: DemoConfig, keep: bool = False) -> None:
+        self.config = config
+        self.keep = keep
+        self.root = Path(tempfile.mkdtemp(prefix="layout-ledger-demo-"))
+        shm = Path("/dev/shm")
+        if shm.is_dir() and os.access(shm, os.W_OK):
+            self.shm_root = Path(tempfile.mkdtemp(prefix="layout-ledger-demo-", dir=shm))
+        else:
+            self.shm_root = self.root / "shared-memory"
+        self.model_dir = write_tiny_moe_config(
+            self.root / "model", config.num_layers, config.num_logical_experts
+        )
+        self.context: Any = None
+        self.startup_seconds = 0.0
+        self._engines: list[CpuEngine] = []
+        self._daemons: list[Any] = []
+
+    def start_processes(self) -> float:
+        """Start the forkserver (it imports sglang once); the seconds it took.
+
+        Meanwhile this process imports what it needs to talk to daemons and read the experts
+        (sglang's framing, torch): seconds of imports that then overlap the server's.
+        """
+        started = time.monotonic()
+        importer = threading.Thread(target=_import_parent_side, daemon=True)
+        importer.start()
+        # The server inherits this process's stdout and stderr when it starts: send its import
+        # noise (sglang's warnings about CUDA-only kernels) to a log file instead.
+        with _output_to(self.root / "forkserver.log"):
+            self.context = engine_process_context()
+        warm = self.context.Process(target=_nothing)
+        warm.start()
+        warm.join(300)
+        importer.join(300)
+        if warm.exitcode != 0:
+            raise RuntimeError(f"the forkserver's first process failed (exit {warm.exitcode})")
+        self.startup_seconds = time.monotonic() - started
+        return self.startup_seconds
+
+    def case_dir(self, case: str) -> Path:
+        path = self.root / case
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def daemons(self, case: str, record: str = "ledger") -> list[Any]:
+        """One model-less daemon per EP rank, serving when this returns.
+
+        As ``daemon_control.start_daemon`` starts them, except that each releases its copy of
+        the forkserver's keep-alive pipe first (``release_forkserver``), so that no daemon
+        outlives this process even when it is SIGKILLed.
+        """
+        from harness.daemon_control import (
+            DaemonProcess,
+            daemon_argv,
+            wait_until_serving,
+        )
+
+        config = self.config
+        directory = self.case_dir(case)
+        started = []
+        for rank in range(config.ep_size):
+            name = f"daemon{rank}"
+            socket_path = str(directory / f"{name}.sock")
+            ledger = str(directory / f"{name}.sqlite") if record == "ledger" else None
+            argv = daemon_argv(
+                socket_path,
+                ledger,
+                num_layers=config.num_layers,
+                num_logical_experts=config.num_logical_experts,
+                num_physical_experts=config.num_physical_slots,
+                record=record,
+            )
+            daemon = DaemonProcess(socket_path, ledger, str(directory / f"{name}.log"), argv)
+            daemon.process = self.context.Process(
+                target=_run_daemon, args=(argv, daemon.log_path), daemon=True
+            )
+            daemon.process.start()
+            self._daemons.append(daemon)
+            wait_until_serving(socket_path, daemon.is_alive, describe=daemon.log)
+            started.append(daemon)
+        return started
+
+    def experts(self, case: str) -> Path:
+        """New shared-memory experts in the daemons' initial layout (a daemon's fresh load)."""
+        from harness.shared_experts import (
+            ExpertTensorShape,
+            create_shared_experts,
+        )
+
+        config = self.config
+        directory = self.shm_root / case
+        shape = ExpertTensorShape(
+            config.num_layers, config.num_logical_experts, config.num_physical_slots, config.ep_size
+        )
+        for rank in range(config.ep_size):
+            create_shared_experts(directory, rank, shape, config.initial_map())
+        return directory
+
+    def launch(
+        self,
+        case: str,
+        name: str,
+        daemons: Sequence[Any],
+        expert_dir: Path,
+        *,
+        plugin: bool = True,
+    ) -> CpuEngine:
+        spec = EngineSpec(
+            name=name,
+            model_dir=str(self.model_dir),
+            expert_dir=str(expert_dir),
+            sockets=tuple(daemon.socket_path for daemon in daemons),
+            port=free_port(),
+            num_redundant=self.config.num_redundant_experts,
+            layers_per_chunk=self.config.layers_per_chunk,
+            plugin=plugin,
+            load_seed=self.config.load_seed,
+            log_dir=str(self.case_dir(case)),
+        )
+        engine = CpuEngine.launch(spec, self.context)
+        self._engines.append(engine)
+        return engine
+
+    def processes_alive(self) -> list[str]:
+        """The engine ranks and daemons this workspace started that still run."""
+        alive = [
+            f"engine {engine.spec.name} rank {rank} (pid {process.pid})"
+            for engine in self._engines
+            for rank, process in enumerate(engine.processes)
+            if process.is_alive()
+        ]
+        alive += [f"daemon {d.socket_path} (pid {d.pid})" for d in self._daemons if d.is_alive()]
+        return alive
+
+    def close(self) -> None:
+        from harness.shared_experts import remove_shared_experts
+
+        for engine in self._engines:
+            with contextlib.suppress(Exception):
+                engine.kill()
+        for daemon in self._daemons:
+            with contextlib.suppress(Exception):
+                daemon.stop(timeout=10.0)
+        for directory in self.shm_root.glob("*"):
+            remove_shared_experts(directory, self.config.ep_size)
+        if not self.keep:
+            _remove_tree(self.shm_root)
+            _remove_tree(self.root)
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """File descriptors 1 and 2 point at ``path`` inside the block (for processes it starts)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, log_fd):
+            os.close(fd)
+
+
+def _import_parent_side() -> None:
+    import importlib
+
+    # sglang's framing of every daemon request (it imports sglang), and torch.
+    for module in ("sglang.srt.weight_cache.protocol", "harness.shared_experts"):
+        importlib.import_module(module)
+
+
+def _run_daemon(argv: list[str], log_path: str) -> None:
+    """Forkserver child: the model-less daemon's ``main``, output to ``log_path``."""
+    from harness.cpu_engine import release_forkserver
+    from harness.daemon_control import redirect_output
+    from sglang_integration.testing import daemon
+
+    release_forkserver()
+    redirect_output(log_path)
+    raise SystemExit(daemon.main(argv))
+
+
+def _nothing() -> None:
+    """The forkserver's warm-up process."""
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- reading state -------------
+
+
+def query_daemons(daemons: Sequence[Any]) -> list[Any]:
+    """Each daemon's ``expert_layout_query`` reply (``client.Reply``)."""
+    from sglang_integration import client
+
+    return [client.query(daemon.socket_path) for daemon in daemons]
+
+
+def wait_for_daemons(
+    daemons: Sequence[Any], condition: Callable[[Any], bool], what: str
+) -> list[Any]:
+    """Poll every daemon until ``condition(layout)`` holds on each; the layouts."""
+    deadline = time.monotonic() + DETACH_TIMEOUT
+    while True:
+        replies = query_daemons(daemons)
+        layouts = [reply.layout for reply in replies]
+        if all(layout is not None and condition(layout) for layout in layouts):
+            return layouts
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the daemons did not reach {what} within {DETACH_TIMEOUT} s")
+        time.sleep(0.05)
+
+
+def held_map(expert_dir: Path) -> Map:
+    """Which logical expert every slot's bytes hold, read by this process from shared memory."""
+    from harness.shared_experts import read_physical_to_logical_map
+
+    return read_physical_to_logical_map(expert_dir)
+
+
+def matching(held: Map, the_map: Map) -> int:
+    from harness.shared_experts import count_matching_slots
+
+    return count_matching_slots(held, the_map)
