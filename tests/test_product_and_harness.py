@@ -1,6 +1,7 @@
 """The product apart from its harness.
 
-The wheel holds ``layout_ledger``, ``migrations`` and ``sglang_integration`` (setup.cfg); of
+The wheel holds ``layout_ledger`` (with ``migrations/`` as ``layout_ledger.migrations``) and
+``sglang_integration`` (setup.cfg); of
 ``sglang_integration.testing`` only what a user reuses to test a deployment (the model-less
 daemon). The CPU harness (``scripts/harness``) and the demo's cases (``scripts/demo_cases``) are
 not shipped, and no production module imports them. The quiet sglang environment is written
@@ -12,8 +13,6 @@ from __future__ import annotations
 import ast
 import configparser
 from pathlib import Path
-
-import setuptools
 
 import demo_cases
 import harness
@@ -39,11 +38,16 @@ def _imported_top_names(tree: ast.AST) -> list[tuple[int, str]]:
     return names
 
 
-def _installed_packages() -> list[str]:
+def _installed_packages() -> dict[str, Path]:
+    """setup.cfg's packages, each with the folder it is installed from (``package_dir``)."""
     setup = configparser.ConfigParser()
     setup.read(ROOT / "setup.cfg")
-    include = setup["options.packages.find"]["include"].split()
-    return sorted(setuptools.find_packages(where=str(ROOT), include=include))
+    names = setup["options"]["packages"].split()
+    mapped = dict(
+        (part.strip() for part in line.split("="))
+        for line in setup["options"]["package_dir"].strip().splitlines()
+    )
+    return {name: ROOT / mapped.get(name, name.replace(".", "/")) for name in sorted(names)}
 
 
 def test_no_production_module_imports_the_harness_or_the_demo() -> None:
@@ -68,8 +72,8 @@ def test_the_harness_and_the_demo_live_outside_every_installed_package() -> None
     assert {"cpu_engine", "daemon_control", "shared_experts"} <= HARNESS_MODULES
     shipped = {
         path.relative_to(ROOT).as_posix()
-        for name in packages
-        for path in (ROOT / name.replace(".", "/")).iterdir()
+        for folder in packages.values()
+        for path in folder.iterdir()
         if path.stem in HARNESS_MODULES | HARNESS_PACKAGES
     }
     assert shipped == set()
