@@ -20,7 +20,8 @@ from sqlalchemy.exc import DBAPIError
 from layout_ledger import events as ev
 from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.layout import Geometry, Map
-from layout_ledger.state import DirtyMark, LayoutState, PendingMove
+from layout_ledger.protocol import PendingMove
+from layout_ledger.state import DirtyMark, LayoutState
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from layout_ledger import events as ev
 from layout_ledger import rules
 from layout_ledger.errors import EngineNotAttached
 from layout_ledger.layout import Geometry, Map, digest_of_row_jsons, row_json
-from layout_ledger.state import DirtyMark, LayoutState, PendingMove, utc_now
+from layout_ledger.protocol import PendingMove
+from layout_ledger.state import DirtyMark, LayoutState, utc_now
 
 
 def _move_event(kind: str, move: PendingMove, at: str | None = None, **fields: Any) -> ev.Event:

@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 from layout_ledger import errors
 from layout_ledger.layout import Geometry, is_int, validate_layers, validate_rows
-from layout_ledger.state import DirtyMark, PendingMove
+from layout_ledger.protocol import PendingMove
+from layout_ledger.state import DirtyMark
 
 MAX_ENGINE_ID = 256
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from layout_ledger import messages as msg
+from layout_ledger import protocol as msg
 from layout_ledger.errors import LedgerError, MoveBusy, RequestRefused
 from layout_ledger.record import LayoutRecord
 
@@ -56,7 +56,7 @@ class LayoutService:
     # --- the five expert_layout_* requests ------------------------------------------------
 
     def handle(self, request: dict[str, Any]) -> Reply:
-        """Answer one request whose ``type`` is in ``messages.LAYOUT_REQUEST_TYPES``."""
+        """Answer one request whose ``type`` is in ``protocol.LAYOUT_REQUEST_TYPES``."""
         kind = request.get("type")
         handlers = {
             msg.ATTACH: self._attach,
@@ -82,12 +82,12 @@ class LayoutService:
         except LedgerError as exc:
             return _storage_failure(exc)
         logger.info("engine %r attached at layout version %d", engine_id, state.version)
-        return _reply(msg.OK, layout=state.to_protocol())
+        return msg.layout_reply(state.view())
 
     def _query(self, request: dict[str, Any]) -> Reply:
         if self.record is None:
             return _reply(msg.NO_RECORD, NO_RECORD_REASON)
-        return _reply(msg.OK, layout=self.record.snapshot().to_protocol())
+        return msg.layout_reply(self.record.snapshot().view())
 
     def _begin(self, request: dict[str, Any]) -> Reply:
         record = self.record

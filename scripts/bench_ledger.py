@@ -55,7 +55,7 @@ class JsonFileRecord(LayoutRecord):
         last = events[-1]
         version = last.new_version if rows else self.version
         digest = last.digest_after if rows else self.digest
-        pending = None if self.pending is None else self.pending.to_protocol()
+        pending = None if self.pending is None else self.pending.to_wire()
         if self.reuse_row_json:
             row_jsons = list(self._row_jsons)
             for layer, text in (rows or {}).items():

@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from layout_ledger import messages as msg
+from layout_ledger import protocol as msg
 from layout_ledger.rules import MAX_ENGINE_ID
 from sglang_integration import client
 from sglang_integration.testing.daemon_control import (

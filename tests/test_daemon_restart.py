@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from layout_ledger import messages as msg
+from layout_ledger import protocol as msg
 from layout_ledger.layout import layout_digest, trivial_map
 from layout_ledger.reader import LedgerReader
 from sglang_integration import client

@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from layout_ledger import messages
+from layout_ledger import protocol
 from layout_ledger.layout import layout_digest, trivial_map
 from sglang_integration.testing.cpu_engine import (
     SGLANG_QUIET_ENV,
@@ -545,7 +545,7 @@ def _attach_ok_with(layout: dict[str, Any]) -> Any:
         from sglang.srt.weight_cache.protocol import recv_msg, send_msg
 
         recv_msg(conn)
-        send_msg(conn, {"status": messages.OK, "layout": layout})
+        send_msg(conn, {"status": protocol.OK, "layout": layout})
 
     return handle
 

@@ -382,7 +382,7 @@ def _lying_proxy(listen_path: str, upstream_path: str, ready: Any) -> None:
 
     from sglang.srt.weight_cache.protocol import recv_msg, send_msg
 
-    from layout_ledger import messages
+    from layout_ledger import protocol
 
     def relay(conn: socket.socket) -> None:
         with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as upstream:
@@ -390,10 +390,10 @@ def _lying_proxy(listen_path: str, upstream_path: str, ready: Any) -> None:
             request = recv_msg(conn)
             send_msg(upstream, request)
             reply = recv_msg(upstream)
-            if request.get("type") == messages.COMMIT and reply.get("status") == messages.OK:
+            if request.get("type") == protocol.COMMIT and reply.get("status") == protocol.OK:
                 reply = {**reply, "digest": "0" * 64}
             send_msg(conn, reply)
-            if request.get("type") == messages.ATTACH and reply.get("status") == messages.OK:
+            if request.get("type") == protocol.ATTACH and reply.get("status") == protocol.OK:
                 conn.settimeout(None)
                 while conn.recv(4096):
                     pass
