@@ -292,12 +292,12 @@ def around_handle_connection(original_fn: Callable[..., Any], daemon: Any, conn:
     layout = daemon_layout(daemon)
     if layout is None:
         return original_fn(daemon, conn)  # no layout side (load() did not run through the hook)
-    from sglang.srt.weight_cache import protocol
+    from sglang.srt.weight_cache.protocol import recv_msg, send_msg
 
     recording = _RecordingConnection(conn)
     # sglang's framing, size cap and restricted unpickler; what it raises, serve logs (as for
     # the original handler, whose first line is this same call).
-    request = protocol.recv_msg(recording)
+    request = recv_msg(recording)
     kind = request.get("type") if isinstance(request, dict) else None
     if isinstance(kind, str) and kind in protocol.LAYOUT_REQUEST_TYPES:
         _answer_layout_request(layout, conn, request, kind)
@@ -305,7 +305,7 @@ def around_handle_connection(original_fn: Callable[..., Any], daemon: Any, conn:
     if kind == protocol.FETCH_STATE and _config_matches(daemon, request):
         refusal = _check_fetch(layout.service, request)
         if refusal is not None:
-            protocol.send_msg(conn, refusal)
+            send_msg(conn, refusal)
             return None
     return original_fn(daemon, _ReplayConnection(conn, bytes(recording.received)))
 

@@ -87,6 +87,46 @@ def _unattached_engine_fetch(socket_path: str) -> None:
         raise RuntimeError(f"the unattached fetch was not served: {reply!r}")
 
 
+class _CallOrder:
+    """In an engine rank: the order of the steps the synchronize rule is about.
+
+    Wraps, where the rebalance hook looks them up at call time, sglang's
+    ``update_expert_location_with_recovery`` ("move", noted when it returns), the device's
+    ``synchronize`` (``torch.cpu`` on this CPU engine; "synchronize", noted when it returns) and
+    the client's ``commit`` ("commit", noted before it is sent).
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def install(self) -> _CallOrder:
+        import torch
+        from sglang.srt.eplb import eplb_manager
+
+        from sglang_integration import client
+
+        self._note_after(eplb_manager, "update_expert_location_with_recovery", "move")
+        self._note_after(torch.cpu, "synchronize", "synchronize")
+        commit = client.commit
+
+        def noted_commit(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append("commit")
+            return commit(*args, **kwargs)
+
+        client.commit = noted_commit
+        return self
+
+    def _note_after(self, owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            self.calls.append(label)
+            return result
+
+        setattr(owner, name, noted)
+
+
 class _LogRecords(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -120,12 +160,15 @@ def _daemon_engine_rank(
         daemon_socket=sockets[rank],
         weight_cache_mode="client",
     )
+    calls = _CallOrder().install()
     engine_id = current_session().engine_id
     for phase, rebalances in plan:
         try:
+            calls.calls.clear()
             report = _run_phase(
                 rank, phase, rebalances, manager, model, sockets, engine_id, phase_events, records
             )
+            report["calls"] = list(calls.calls)
         except Exception:
             results.put({"rank": rank, "phase": phase, "error": traceback.format_exc()})
             raise
@@ -322,6 +365,20 @@ def test_every_chunk_is_committed_on_every_daemon_at_the_next_version(story: Sto
     _assert_daemons_hold_the_engines_layout(story, "alone", version=2 * CHUNKS_PER_REBALANCE)
     assert story[("alone", 0)]["mode"] == "two_phase"
     assert count_matching_slots(story[("alone", -1)]["held"], INITIAL) < ALL_SLOTS // 2
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_synchronizes_the_device_after_the_experts_move_and_before_it_commits(
+    story: Story,
+) -> None:
+    for rank in range(EP_SIZE):
+        calls = story[("alone", rank)]["calls"]
+        commits = [index for index, call in enumerate(calls) if call == "commit"]
+        assert len(commits) == 2 * CHUNKS_PER_REBALANCE, calls
+        for index in commits:
+            since_move = calls[:index][::-1]
+            assert "move" in since_move, calls
+            assert "synchronize" in since_move[: since_move.index("move")], calls
 
 
 @pytest.mark.timeout(300)
