@@ -34,6 +34,19 @@ from layout_ledger.protocol import (
 
 logger = logging.getLogger(__name__)
 
+# ``Outcome`` and ``Reply`` are protocol's, named here too because every call returns them.
+__all__ = [
+    "DEFAULT_REQUEST_TIMEOUT",
+    "Attachment",
+    "Outcome",
+    "Reply",
+    "abort",
+    "attach",
+    "begin",
+    "commit",
+    "query",
+]
+
 # Seconds for each connect, send and receive. The daemon serves connections one at a time and
 # bounds each exchange with 30 s itself, so a healthy daemon answers well within this.
 DEFAULT_REQUEST_TIMEOUT = 30.0

@@ -33,6 +33,7 @@ from test_engine_startup_hook import (
 
 from layout_ledger import protocol
 from layout_ledger.layout import layout_digest, trivial_map
+from layout_ledger.protocol import Outcome
 from sglang_integration import client
 from sglang_integration.testing.cpu_engine import write_tiny_moe_config
 from sglang_integration.testing.daemon_control import (
@@ -226,7 +227,7 @@ def test_older_engine_on_a_new_daemon_is_served_at_version_zero_and_then_moves_a
         finally:
             mover.exit()
     assert state is not None and state.non_following_fetch is True
-    assert begin.outcome is client.Outcome.REFUSED
+    assert begin.outcome is Outcome.REFUSED
 
 
 @pytest.mark.timeout(180)
