@@ -36,7 +36,8 @@ from layout_ledger.errors import (
     RequestRefused,
 )
 from layout_ledger.layout import Geometry, Map, digest_of_row_jsons, row_json
-from layout_ledger.state import DirtyMark, LayoutState, PendingMove, utc_now
+from layout_ledger.protocol import PendingMove
+from layout_ledger.state import DirtyMark, LayoutState, utc_now
 
 logger = logging.getLogger(__name__)
 

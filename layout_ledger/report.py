@@ -26,8 +26,9 @@ from layout_ledger import events as ev
 from layout_ledger import exit_codes, reader
 from layout_ledger.errors import LedgerError, LedgerStorageError
 from layout_ledger.layout import Geometry, Map, layout_digest
+from layout_ledger.protocol import PendingMove
 from layout_ledger.reader import Incarnation, LedgerReader
-from layout_ledger.state import DirtyMark, PendingMove
+from layout_ledger.state import DirtyMark
 
 JsonObject = dict[str, Any]
 
@@ -233,8 +234,8 @@ class StatusReport:
             "reconstructible_from": self.reconstructible_from,
             "dirty": dirty is not None,
             "dirty_reason": None if dirty is None else dirty.reason,
-            "dirty_move": None if dirty is None else {**dirty.move.to_protocol(), "at": dirty.at},
-            "pending": None if self.pending is None else self.pending.to_protocol(),
+            "dirty_move": None if dirty is None else {**dirty.move.to_wire(), "at": dirty.at},
+            "pending": None if self.pending is None else self.pending.to_wire(),
             "pending_since": None if self.pending is None else self.pending.since,
             "attached": list(self.attached),
             "non_following_fetch": self.non_following_fetch,

@@ -22,7 +22,8 @@ from layout_ledger.layout import (
     validate_layers,
     validate_rows,
 )
-from layout_ledger.state import DirtyMark, PendingMove
+from layout_ledger.protocol import PendingMove
+from layout_ledger.state import DirtyMark
 
 MAX_ENGINE_ID = 256
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from layout_ledger import messages as msg
+from layout_ledger import protocol as msg
 from layout_ledger.errors import LedgerError, MoveBusy, RequestRefused
 from layout_ledger.record import LayoutRecord
 
@@ -31,13 +31,6 @@ NO_RECORD_REASON = (
 
 Reply = dict[str, Any]
 Request = dict[str, Any]
-
-
-def _reply(status: str, reason: str | None = None, **fields: Any) -> Reply:
-    reply: Reply = {"status": status, **fields}
-    if reason is not None:
-        reply["reason"] = reason
-    return reply
 
 
 def _storage_failure(exc: LedgerError) -> str:
@@ -56,28 +49,28 @@ def _attach(record: LayoutRecord, request: Request) -> Reply:
         record.attach(engine_id)
         state = record.snapshot()
     logger.info("engine %r attached at layout version %d", engine_id, state.version)
-    return _reply(msg.OK, layout=state.to_protocol())
+    return msg.layout_reply(state.view())
 
 
 def _query(record: LayoutRecord, request: Request) -> Reply:
-    return _reply(msg.OK, layout=record.snapshot().to_protocol())
+    return msg.layout_reply(record.snapshot().view())
 
 
 def _begin(record: LayoutRecord, request: Request) -> Reply:
     record.begin(request.get("engine_id"), request.get("base_version"), request.get("layers"))
-    return _reply(msg.OK)
+    return msg.ok_reply()
 
 
 def _commit(record: LayoutRecord, request: Request) -> Reply:
     engine_id = request.get("engine_id")
     version, digest = record.commit(engine_id, request.get("rows"))
     logger.info("engine %r committed layout version %d", engine_id, version)
-    return _reply(msg.OK, version=version, digest=digest)
+    return msg.Committed(version, digest).to_wire()
 
 
 def _abort(record: LayoutRecord, request: Request) -> Reply:
     record.abort(request.get("engine_id"))
-    return _reply(msg.OK)
+    return msg.ok_reply()
 
 
 TRANSITIONS: dict[str, Callable[[LayoutRecord, Request], Reply]] = {
@@ -98,21 +91,23 @@ class LayoutService:
         self.record = record
 
     def handle(self, request: Request) -> Reply:
-        """Answer one request whose ``type`` is in ``messages.LAYOUT_REQUEST_TYPES``."""
+        """Answer one request whose ``type`` is in ``protocol.LAYOUT_REQUEST_TYPES``."""
         kind = request.get("type")
         transition = TRANSITIONS.get(kind) if isinstance(kind, str) else None
         if transition is None:
-            return _reply(msg.ERROR, f"not an expert layout request: {kind!r}")
+            return msg.refusal_reply(msg.ERROR, f"not an expert layout request: {kind!r}")
         if self.record is None:
-            return _reply(_NO_RECORD_STATUS.get(str(kind), msg.REFUSED), NO_RECORD_REASON)
+            return msg.refusal_reply(
+                _NO_RECORD_STATUS.get(str(kind), msg.REFUSED), NO_RECORD_REASON
+            )
         try:
             return transition(self.record, request)
         except MoveBusy as exc:
-            return _reply(msg.BUSY, str(exc))
+            return msg.refusal_reply(msg.BUSY, str(exc))
         except RequestRefused as exc:
-            return _reply(msg.REFUSED, str(exc))
+            return msg.refusal_reply(msg.REFUSED, str(exc))
         except LedgerError as exc:
-            return _reply(msg.ERROR, _storage_failure(exc))
+            return msg.refusal_reply(msg.ERROR, _storage_failure(exc))
 
     # --- fetch_state and presence --------------------------------------------------------
 
@@ -125,10 +120,10 @@ class LayoutService:
             verdict = record.fetch(request.get(msg.FETCH_LAYOUT_FIELD))
         except RequestRefused as exc:
             logger.warning("refused a weight fetch: %s", exc)
-            return _reply(msg.LAYOUT_REFUSED, str(exc))
+            return msg.refusal_reply(msg.LAYOUT_REFUSED, str(exc))
         except LedgerError as exc:
             # Serving would be unrecorded; refusing is the safe side.
-            return _reply(msg.LAYOUT_REFUSED, _storage_failure(exc))
+            return msg.refusal_reply(msg.LAYOUT_REFUSED, _storage_failure(exc))
         if not verdict.following:
             logger.warning(
                 "served weights to an engine that does not follow the expert layout (%s); no "

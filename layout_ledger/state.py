@@ -1,34 +1,17 @@
-"""Snapshots of a daemon's layout record, and their wire form (PROTOCOL.md "layout state")."""
+"""Snapshots of a daemon's layout record; their wire form is ``protocol.LayoutView``."""
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any
 
 from layout_ledger.layout import Geometry, Map
+from layout_ledger.protocol import LayoutView, PendingMove
 
 
 def utc_now() -> str:
     """The ledger's timestamp format: ISO-8601 UTC with microseconds, sortable as text."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
-
-
-@dataclass(frozen=True)
-class PendingMove:
-    """A begun move: which engine, which layers, from which version."""
-
-    engine_id: str
-    layers: tuple[int, ...]
-    base_version: int
-    since: str
-
-    def to_protocol(self) -> dict[str, Any]:
-        return {
-            "engine_id": self.engine_id,
-            "layers": list(self.layers),
-            "base_version": self.base_version,
-        }
 
 
 def dirty_reason_for(move: PendingMove) -> str:
@@ -67,15 +50,15 @@ class LayoutState:
     attached: tuple[str, ...] = field(default_factory=tuple)
     non_following_fetch: bool = False
 
-    def to_protocol(self) -> dict[str, Any]:
-        """The ``layout`` field of an ``ok`` reply, exactly as PROTOCOL.md spells it."""
-        return {
-            "version": self.version,
-            "digest": self.digest,
-            "physical_to_logical_map": [list(row) for row in self.physical_to_logical_map],
-            "dirty": self.dirty is not None,
-            "dirty_reason": self.dirty.reason if self.dirty else None,
-            "pending": self.pending.to_protocol() if self.pending else None,
-            "attached": list(self.attached),
-            "non_following_fetch": self.non_following_fetch,
-        }
+    def view(self) -> LayoutView:
+        """What ``attach`` and ``query`` answer (``LayoutView.to_wire`` is the ``layout`` field)."""
+        return LayoutView(
+            version=self.version,
+            digest=self.digest,
+            physical_to_logical_map=self.physical_to_logical_map,
+            dirty=self.dirty is not None,
+            dirty_reason=self.dirty.reason if self.dirty else None,
+            pending=self.pending,
+            attached=tuple(self.attached),
+            non_following_fetch=self.non_following_fetch,
+        )

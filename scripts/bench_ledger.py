@@ -63,7 +63,7 @@ class JsonFileJournal:
         last = events[-1]
         version = last.new_version if rows else record.version
         digest = last.digest_after if rows else record.digest
-        pending = None if record.pending is None else record.pending.to_protocol()
+        pending = None if record.pending is None else record.pending.to_wire()
         row_jsons = record.row_jsons()
         for layer, text in (rows or {}).items():
             row_jsons[layer] = text

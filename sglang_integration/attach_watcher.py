@@ -1,7 +1,8 @@
 """One background thread that watches every open attach connection and reports each one's end.
 
-An engine's attach connection is its presence on the daemon (docs/protocol.md "Attach"): the engine
-never writes on it again, and the kernel closes it however the engine exits, SIGKILL included.
+An engine's attach connection is its presence on the daemon (docs/protocol.md "Presence"): the
+engine never writes on it again, and the kernel closes it however the engine exits, SIGKILL
+included.
 The daemon hands the watcher its own duplicate of each such connection (``watch``); the
 watcher waits on all of them at once with ``selectors`` and, on EOF or a socket error,
 unregisters and closes the connection and calls ``on_closed(key, reason)`` on its thread.

@@ -2,40 +2,46 @@
 
 This module is the one place that knows the daemon's internals (``weight_cache/daemon.py``):
 
-- ``WeightCacheDaemon.load`` (daemon.py:252-401) ends by building the initial expert layout with
-  ``_initialize_eplb_expert_location_metadata`` (daemon.py:326, 474-489) when ``--enable-eplb``
+- ``WeightCacheDaemon.load`` ends by building the initial expert layout with
+  ``_initialize_eplb_expert_location_metadata`` when ``--enable-eplb``
   (``get_exec().moe.enable_eplb``). ``around_load`` runs the original, then reads that global
   ``ExpertLocationMetadata.physical_to_logical_map``, opens the daemon's ledger
   (``ledger_paths``), starts a new incarnation at version 0 and keeps a ``LayoutService`` on the
   daemon. Without ``--enable-eplb`` (or for a model without routed experts) the service has no
   record and answers the layout requests with ``no_record``.
-- ``WeightCacheDaemon.serve`` (daemon.py:491-554) accepts connections one at a time, gives each
-  a 30 s timeout, calls ``_handle_connection(conn)`` and always ``conn.close()``\\ s it after,
-  logging (never raising) any exception. ``around_serve`` ends the ledger incarnation cleanly
-  when the loop stops (SIGTERM/SIGINT) and stops the attach watcher.
-- ``WeightCacheDaemon._handle_connection`` (daemon.py:556-611) reads one request with
-  ``recv_msg`` and branches on ``req.get("type")``. ``around_handle_connection`` reads the
-  request itself through sglang's own ``recv_msg`` while keeping the frame's bytes, then:
+- ``WeightCacheDaemon.serve`` accepts connections one at a time, gives each a 30 s timeout,
+  calls ``_handle_connection(conn)`` and always ``conn.close()``\\ s it after, logging (never
+  raising) any exception. ``around_serve`` ends the ledger incarnation cleanly when the loop
+  stops (SIGTERM/SIGINT) and stops the attach watcher.
+- ``WeightCacheDaemon._handle_connection`` reads one request with ``recv_msg`` and branches on
+  ``req.get("type")``. ``around_handle_connection`` reads the request itself through sglang's
+  own ``recv_msg`` while keeping the frame's bytes, then:
 
   * the five ``expert_layout_*`` types go to the service; an ``ok`` attach hands a duplicate of
     the connection to the ``AttachWatcher`` before the reply is sent, so the connection outlives
     serve's ``conn.close()`` and its EOF detaches the engine;
   * ``fetch_state`` whose config matches (the same ``CacheConfig.from_dict`` / ``matches`` test
-    as daemon.py:566-567) gets the layout check; a refusal is answered ``layout_refused`` before
-    any transport work;
+    as the original handler) gets the layout check; a refusal is answered ``layout_refused``
+    before any transport work;
   * everything else (``ping``, ``query_config``, unknown types, non-dict requests, a
     ``fetch_state`` with a mismatched or broken config, and a ``fetch_state`` the layout check
     lets through) runs sglang's original handler on a connection that replays the frame's
     bytes, so its replies, log lines, errors and transport call are sglang's own, unchanged.
 
-- ``spawn_weight_cache_daemon`` (daemon.py:681-696) starts each daemon with ``multiprocessing``
-  spawn: a fresh interpreter that never ran the plugin. ``around_spawn_weight_cache_daemon`` (the
-  engine side registers it for ``--weight-cache-mode daemon``; the standalone launcher too)
-  starts the same process with ``run_hooked_weight_cache_daemon`` as its target, which installs
-  these hooks and then runs sglang's ``run_weight_cache_daemon`` (daemon.py:625-658) unchanged.
+- ``spawn_weight_cache_daemon`` starts each daemon with ``multiprocessing`` spawn: a fresh
+  interpreter that never ran the plugin. ``around_spawn_weight_cache_daemon`` (the engine side
+  registers it for ``--weight-cache-mode daemon``; the standalone launcher too) starts the same
+  process with ``run_hooked_weight_cache_daemon`` as its target, which installs these hooks and
+  then runs sglang's ``run_weight_cache_daemon`` unchanged.
 
 The plugin never lets an exception escape into the serve loop from its own logic: a failure
 inside the service becomes an ``error`` reply (or ``layout_refused`` for a fetch, the safe side).
+Replies are built by ``layout_ledger.protocol`` (docs/protocol.md).
+
+Where in sglang 0.5.23's ``weight_cache/daemon.py`` (line numbers, to recheck on an upgrade):
+``load`` 252-401, its ``_initialize_eplb_expert_location_metadata`` call 326 (defined 474-489);
+``serve`` 491-554; ``_handle_connection`` 556-611, its config test 566-567;
+``run_weight_cache_daemon`` 625-658; ``spawn_weight_cache_daemon`` 681-696, its spawn 690-696.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from layout_ledger import messages as msg
+from layout_ledger import protocol
 from layout_ledger.errors import LedgerError
 from layout_ledger.layout import Geometry, Map
 from layout_ledger.ledger import Ledger, Retention
@@ -67,12 +73,12 @@ SERVE_TARGET = f"{_DAEMON_MODULE}.WeightCacheDaemon.serve"
 HANDLE_TARGET = f"{_DAEMON_MODULE}.WeightCacheDaemon._handle_connection"
 SPAWN_TARGET = f"{_DAEMON_MODULE}.spawn_weight_cache_daemon"
 
-# The attribute of a WeightCacheDaemon that holds its DaemonLayout.
+# The attribute of a WeightCacheDaemon that holds its DaemonLayoutSide.
 _LAYOUT_ATTR = "_expert_layout"
 
 
 @dataclass
-class DaemonLayout:
+class DaemonLayoutSide:
     """The expert layout side of one daemon: its service, attach watcher and ledger."""
 
     service: LayoutService
@@ -169,10 +175,10 @@ def set_daemon_layout(daemon: Any, service: LayoutService, ledger: Ledger | None
 
     watcher = AttachWatcher(detach)
     watcher.start()
-    setattr(daemon, _LAYOUT_ATTR, DaemonLayout(service=service, watcher=watcher, ledger=ledger))
+    setattr(daemon, _LAYOUT_ATTR, DaemonLayoutSide(service=service, watcher=watcher, ledger=ledger))
 
 
-def daemon_layout(daemon: Any) -> DaemonLayout | None:
+def daemon_layout(daemon: Any) -> DaemonLayoutSide | None:
     return getattr(daemon, _LAYOUT_ATTR, None)
 
 
@@ -287,26 +293,26 @@ def around_handle_connection(original_fn: Callable[..., Any], daemon: Any, conn:
     layout = daemon_layout(daemon)
     if layout is None:
         return original_fn(daemon, conn)  # no layout side (load() did not run through the hook)
-    from sglang.srt.weight_cache import protocol
+    from sglang.srt.weight_cache.protocol import recv_msg, send_msg
 
     recording = _RecordingConnection(conn)
     # sglang's framing, size cap and restricted unpickler; what it raises, serve logs (as for
     # the original handler, whose first line is this same call).
-    request = protocol.recv_msg(recording)
+    request = recv_msg(recording)
     kind = request.get("type") if isinstance(request, dict) else None
-    if isinstance(kind, str) and kind in msg.LAYOUT_REQUEST_TYPES:
+    if isinstance(kind, str) and kind in protocol.LAYOUT_REQUEST_TYPES:
         _answer_layout_request(layout, conn, request, kind)
         return None
-    if kind == msg.FETCH_STATE and _config_matches(daemon, request):
+    if kind == protocol.FETCH_STATE and _config_matches(daemon, request):
         refusal = _check_fetch(layout.service, request)
         if refusal is not None:
-            protocol.send_msg(conn, refusal)
+            send_msg(conn, refusal)
             return None
     return original_fn(daemon, _ReplayConnection(conn, bytes(recording.received)))
 
 
 def _config_matches(daemon: Any, request: dict[str, Any]) -> bool:
-    """sglang's own fetch_state config test (daemon.py:566-567); False where it would fail."""
+    """sglang's own fetch_state config test; False where it would fail."""
     from sglang.srt.weight_cache.protocol import CacheConfig
 
     try:
@@ -322,15 +328,15 @@ def _check_fetch(service: LayoutService, request: dict[str, Any]) -> dict[str, A
         return service.check_fetch(request)
     except Exception as exc:
         logger.exception("the expert layout check of a fetch_state failed")
-        return {
-            "status": msg.LAYOUT_REFUSED,
-            "reason": f"the daemon could not check the expert layout of this fetch "
+        return protocol.refusal_reply(
+            protocol.LAYOUT_REFUSED,
+            f"the daemon could not check the expert layout of this fetch "
             f"({type(exc).__name__}: {exc}); it does not serve unchecked weights, see its log",
-        }
+        )
 
 
 def _answer_layout_request(
-    layout: DaemonLayout, conn: socket.socket, request: dict[str, Any], kind: str
+    layout: DaemonLayoutSide, conn: socket.socket, request: dict[str, Any], kind: str
 ) -> None:
     from sglang.srt.weight_cache.protocol import send_msg
 
@@ -338,18 +344,17 @@ def _answer_layout_request(
         reply = layout.service.handle(request)
     except Exception as exc:
         logger.exception("handling a %s request failed", kind)
-        reply = {
-            "status": msg.ERROR,
-            "reason": f"the daemon failed to handle {kind} ({type(exc).__name__}: {exc}); "
-            f"see its log",
-        }
-    if kind == msg.ATTACH and reply.get("status") == msg.OK:
+        reply = protocol.refusal_reply(
+            protocol.ERROR,
+            f"the daemon failed to handle {kind} ({type(exc).__name__}: {exc}); see its log",
+        )
+    if kind == protocol.ATTACH and reply.get("status") == protocol.OK:
         reply = _keep_attach_connection(layout, conn, request["engine_id"], reply)
     send_msg(conn, reply)
 
 
 def _keep_attach_connection(
-    layout: DaemonLayout, conn: socket.socket, engine_id: str, reply: dict[str, Any]
+    layout: DaemonLayoutSide, conn: socket.socket, engine_id: str, reply: dict[str, Any]
 ) -> dict[str, Any]:
     """Hand a duplicate of ``conn`` to the watcher; serve closes only its own descriptor.
 
@@ -369,7 +374,7 @@ def _keep_attach_connection(
         layout.service.detach(engine_id, failure)
     except LedgerError as exc:
         logger.error("could not record engine %r's detach: %s", engine_id, exc)
-    return {"status": msg.ERROR, "reason": f"{failure}; retry the attach"}
+    return protocol.refusal_reply(protocol.ERROR, f"{failure}; retry the attach")
 
 
 # --- spawned daemons (engine --weight-cache-mode daemon, standalone launcher) ---------------------
@@ -384,7 +389,7 @@ def around_spawn_weight_cache_daemon(
     pp_rank: int,
     dist_init_method: str,
 ) -> Any:
-    """AROUND ``spawn_weight_cache_daemon``: sglang's spawn (daemon.py:690-696), hooked target.
+    """AROUND ``spawn_weight_cache_daemon``: sglang's spawn, with the hooked target.
 
     ``original_fn`` is not called: its only act is ``ctx.Process(target=run_weight_cache_daemon,
     ...)``, and a spawned child would run that unhooked. The context, arguments and return value

@@ -22,7 +22,7 @@ metadata, on every rank of the engine:
 3. if another engine's move is pending there, it polls ``expert_layout_query`` until the move
    ends, for at most ``SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT`` seconds (default 300);
 4. the ranks all-gather what they found over the world CPU group and all compute the same
-   ``startup_agreement.decide``;
+   ``layout_ledger.agreement.decide``;
 5. adopt the daemons' map (``expert_metadata.adopt_map``, one log line naming the version), keep
    the initial layout, or raise ``ExpertLayoutStartupError`` with the reason on every rank.
 
@@ -48,9 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from layout_ledger.layout import layout_digest
-from sglang_integration import client
-from sglang_integration.startup_agreement import (
+from layout_ledger.agreement import (
     AdoptLayout,
     ExpertLayoutStartupError,
     FailStartup,
@@ -59,6 +57,9 @@ from sglang_integration.startup_agreement import (
     RankFinding,
     decide,
 )
+from layout_ledger.layout import layout_digest
+from layout_ledger.protocol import LayoutView, Outcome, Reply
+from sglang_integration import client
 
 logger = logging.getLogger(__name__)
 
@@ -215,13 +216,13 @@ def read_daemon(
 
 
 def _what_the_daemon_holds(
-    socket_path: str, reply: client.Reply, timeout: float, poll_interval: float
+    socket_path: str, reply: Reply, timeout: float, poll_interval: float
 ) -> tuple[FindingKind, dict[str, Any]]:
     """The finding's kind and fields from the attach reply (after waiting out a pending move)."""
     kind = _KIND_OF_ATTACH_OUTCOME.get(reply.outcome)
     if kind is not None:
         return kind, {"reason": reply.reason}
-    if reply.outcome is not client.Outcome.OK or reply.layout is None:
+    if reply.outcome is not Outcome.OK or reply.layout is None:
         return FindingKind.UNREADABLE, {"reason": f"attach {reply.outcome.value}: {reply.reason}"}
     layout = _wait_for_pending_move(socket_path, reply.layout, timeout, poll_interval)
     if isinstance(layout, _WaitFailure):
@@ -242,9 +243,9 @@ def _what_the_daemon_holds(
 
 
 _KIND_OF_ATTACH_OUTCOME = {
-    client.Outcome.NO_DAEMON: FindingKind.NO_DAEMON,
-    client.Outcome.NO_RECORD: FindingKind.NO_RECORD,
-    client.Outcome.OLDER_DAEMON: FindingKind.OLDER_DAEMON,
+    Outcome.NO_DAEMON: FindingKind.NO_DAEMON,
+    Outcome.NO_RECORD: FindingKind.NO_RECORD,
+    Outcome.OLDER_DAEMON: FindingKind.OLDER_DAEMON,
 }
 
 
@@ -255,8 +256,8 @@ class _WaitFailure:
 
 
 def _wait_for_pending_move(
-    socket_path: str, layout: client.DaemonLayout, timeout: float, poll_interval: float
-) -> client.DaemonLayout | _WaitFailure:
+    socket_path: str, layout: LayoutView, timeout: float, poll_interval: float
+) -> LayoutView | _WaitFailure:
     """The daemon's layout once no move is pending (or it is dirty), else a failure."""
     if layout.pending is None or layout.dirty:
         return layout
@@ -283,7 +284,7 @@ def _wait_for_pending_move(
             )
         time.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
         reply = client.query(socket_path)
-        if reply.outcome is not client.Outcome.OK or reply.layout is None:
+        if reply.outcome is not Outcome.OK or reply.layout is None:
             return _WaitFailure(
                 FindingKind.UNREADABLE,
                 f"while waiting for engine {pending.engine_id!r}'s move: query "

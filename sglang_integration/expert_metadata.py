@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sglang_integration.startup_agreement import ExpertLayoutStartupError
+from layout_ledger.agreement import ExpertLayoutStartupError
 
 if TYPE_CHECKING:
     from sglang.srt.configs.model_config import ModelConfig

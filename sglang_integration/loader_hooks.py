@@ -25,7 +25,7 @@ extra field or another status, so:
 rebinds every other module's ``from ... import send_msg`` (hook_registry.py:292-303), which is
 why the wrappers act only inside the loader's fetch and pass everything else through.
 
-The field (PROTOCOL.md): ``{"engine_id", "version", "digest"}``: the id only when this rank is
+The field (``protocol.FetchLayout``, docs/protocol.md): the engine id only when this rank is
 attached, the version the engine adopted at startup, and the digest of the map the engine
 routes with now (the global ``ExpertLocationMetadata``). No field without a startup session
 (dense model, or the startup hook not installed).
@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from layout_ledger import messages
+from layout_ledger import protocol
 from layout_ledger.layout import layout_digest
 from sglang_integration.weight_source import WeightSource, record_weight_source
 
@@ -57,7 +57,7 @@ class LayoutRefusedError(RuntimeError):
 @dataclass(frozen=True)
 class _Fetch:
     loader: Any  # the IpcModelLoader; it fills in its socket_path inside the fetch
-    layout_field: dict[str, Any] | None
+    layout_field: protocol.FetchLayout | None
 
 
 _FETCH: contextvars.ContextVar[_Fetch | None] = contextvars.ContextVar(
@@ -65,7 +65,7 @@ _FETCH: contextvars.ContextVar[_Fetch | None] = contextvars.ContextVar(
 )
 
 
-def expert_layout_field() -> dict[str, Any] | None:
+def expert_layout_field() -> protocol.FetchLayout | None:
     """The ``expert_layout`` field this rank sends, or None when it has no layout to declare."""
     from sglang_integration.engine_startup import current_session
 
@@ -79,11 +79,11 @@ def expert_layout_field() -> dict[str, Any] | None:
     metadata = get_global_expert_location_metadata()
     if metadata is None:
         return None
-    return {
-        "engine_id": session.engine_id if session.attached else None,
-        "version": session.version,
-        "digest": layout_digest(map_of(metadata)),
-    }
+    return protocol.FetchLayout(
+        engine_id=session.engine_id if session.attached else None,
+        version=session.version,
+        digest=layout_digest(map_of(metadata)),
+    )
 
 
 def around_fetch_from_cache(
@@ -108,9 +108,9 @@ def around_send_msg(
         fetch is not None
         and fetch.layout_field is not None
         and isinstance(obj, dict)
-        and obj.get("type") == messages.FETCH_STATE
+        and obj.get("type") == protocol.FETCH_STATE
     ):
-        obj = {**obj, messages.FETCH_LAYOUT_FIELD: dict(fetch.layout_field)}
+        obj = {**obj, protocol.FETCH_LAYOUT_FIELD: fetch.layout_field.to_wire()}
     return original_fn(sock, obj, *args, **kwargs)
 
 
@@ -121,7 +121,7 @@ def around_recv_msg(original_fn: Callable[..., Any], sock: Any, *args: Any, **kw
     if (
         fetch is not None
         and isinstance(reply, dict)
-        and reply.get("status") == messages.LAYOUT_REFUSED
+        and reply.get("status") == protocol.LAYOUT_REFUSED
     ):
         reason = reply.get("reason") or "(the daemon gave no reason)"
         raise LayoutRefusedError(

@@ -23,235 +23,57 @@ Rules (../shared/DESIGN.md "Engine side", the proposal's "Rebalance" section):
   ranks mixing disk and daemon weights, elastic EP) shared weights are never rebalanced; one
   warning per reason.
 
-Every decision is a pure function of all-gathered values, so every rank takes the same branch and
-no rank is left waiting in a collective. This module is the one place that knows the internals of
-``EPLBManager.rebalance`` (sglang 0.5.23, eplb_manager.py:96-185); the two-phase path repeats its
-steps around each chunk because the original has no seam between its chunks.
+The decisions (``decide_mode``, ``decide_begin``, ``check_commits``) are pure functions of
+all-gathered values in ``layout_ledger.agreement``, so every rank takes the same branch and no
+rank is left waiting in a collective. This module holds the hook: the state it keeps per engine,
+the requests, the collectives and the steps of a chunk. It is the one place that knows the
+internals of ``EPLBManager.rebalance``; the two-phase path repeats its steps around each chunk
+because the original has no seam between its chunks.
+
+Where in sglang 0.5.23 (line numbers, to recheck on an upgrade): ``EPLBManager.rebalance`` is
+``eplb/eplb_manager.py:96-185``, and ``_rebalance_two_phase`` follows its lines 115-185 (the path
+without elastic EP).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from layout_ledger import messages
+from layout_ledger.agreement import (
+    RESTART_DAEMONS_ADVICE,
+    BeginAction,
+    BeginDecision,
+    Mode,
+    RankLayoutStatus,
+    WeightSource,
+    check_commits,
+    decide_begin,
+    decide_mode,
+)
 from layout_ledger.layout import layout_digest
-from sglang_integration.weight_source import WeightSource
+from layout_ledger.protocol import Outcome, Reply
 
 logger = logging.getLogger(__name__)
 
 # Register with HookType.AROUND and ``rebalance_around``.
 HOOK_TARGET = "sglang.srt.eplb.eplb_manager.EPLBManager.rebalance"
 
-# Where a rank's weights came from (what the loader recorded), as all-gathered strings.
-WEIGHTS_FROM_DISK = WeightSource.DISK.value
-WEIGHTS_FROM_DAEMON = WeightSource.DAEMON.value
-
-# What a rank's attach at startup found.
-ATTACHED = "attached"  # attached to a daemon that keeps a record
-OLDER_DAEMON = "older_daemon"  # the daemon answered "Unknown request type"
-NO_RECORD = "no_record"  # the daemon runs without --enable-eplb
-NOT_ATTACHED = "not_attached"  # no attachment (no daemon, or the attach failed)
-
-# Why shared-weights rebalancing stays off: one warning per reason.
-REASON_ELASTIC_EP = (
-    "elastic EP is on; rebalancing of daemon-shared weights is not coordinated with elastic EP"
-)
-REASON_MIXED_SOURCES = "some ranks loaded their weights from disk and others from the daemons"
-REASON_UNKNOWN_SOURCE = "the loader recorded no weight source"
-REASON_OLDER_DAEMON = "the daemon is an older version without the expert layout protocol"
-REASON_NO_RECORD = "the daemon runs without --enable-eplb and keeps no expert layout record"
-REASON_NOT_ATTACHED = "the engine did not attach to its daemon at startup"
-REASON_VERSIONS_DIFFER = "the daemons are at different layout versions"
-
-RESTART_DAEMONS_ADVICE = (
-    "Restart the weight cache daemons before another engine uses them; "
-    "this engine keeps serving and will not rebalance again."
-)
-
 
 class RankLayoutClient(Protocol):
     """This rank's layout requests to its own daemon, bound to this engine's id.
 
-    Each returns a reply summary: ``{"status": str, "reason": str | None}`` plus ``version`` and
-    ``digest`` for an ``ok`` commit. ``status`` is a PROTOCOL.md status or one of the client's
-    local outcomes (``older_daemon``, ``error``, ``no_daemon``, ``unreachable``). It may raise;
-    the hook turns that into an ``error`` reply so the rank still joins the all-gather.
+    Each returns the typed ``Reply``. It may raise; the hook turns that into an ``ERROR`` reply
+    so the rank still joins the all-gather.
     """
 
-    def begin(self, base_version: int, layers: list[int]) -> dict[str, Any]: ...
+    def begin(self, base_version: int, layers: list[int]) -> Reply: ...
 
-    def commit(self, rows: dict[int, list[int]]) -> dict[str, Any]: ...
+    def commit(self, rows: dict[int, list[int]]) -> Reply: ...
 
-    def abort(self) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class RankLayoutStatus:
-    """What one rank knows at its first rebalance; all-gathered, so plain picklable values."""
-
-    weights_from: str | None
-    attach: str
-    version: int | None = None
-
-
-class Mode(enum.Enum):
-    ORIGINAL = "original"  # sglang's rebalance, unchanged
-    TWO_PHASE = "two_phase"  # begin/move/synchronize/commit/verify per chunk
-    OFF = "off"  # never rebalance the shared weights
-
-
-@dataclass(frozen=True)
-class ModeDecision:
-    mode: Mode
-    reasons: tuple[str, ...] = ()
-    version: int | None = None
-
-
-def decide_mode(statuses: Sequence[RankLayoutStatus], *, elastic_ep: bool) -> ModeDecision:
-    """How this engine rebalances, from every rank's status (index = world rank)."""
-    sources = {status.weights_from for status in statuses}
-    if sources == {WEIGHTS_FROM_DISK}:
-        return ModeDecision(Mode.ORIGINAL)
-    reasons: list[str] = []
-
-    def add(reason: str, ranks: Sequence[int]) -> None:
-        reasons.append(f"{reason} (rank {', '.join(str(rank) for rank in ranks)})")
-
-    if elastic_ep:
-        reasons.append(REASON_ELASTIC_EP)
-    disk_ranks = _ranks_where(statuses, lambda s: s.weights_from == WEIGHTS_FROM_DISK)
-    if disk_ranks:
-        add(REASON_MIXED_SOURCES, disk_ranks)
-    unknown = _ranks_where(
-        statuses,
-        lambda s: s.weights_from not in (WEIGHTS_FROM_DISK, WEIGHTS_FROM_DAEMON),
-    )
-    if unknown:
-        add(REASON_UNKNOWN_SOURCE, unknown)
-    daemon_statuses = [
-        (rank, s) for rank, s in enumerate(statuses) if s.weights_from == WEIGHTS_FROM_DAEMON
-    ]
-    for attach, reason in (
-        (OLDER_DAEMON, REASON_OLDER_DAEMON),
-        (NO_RECORD, REASON_NO_RECORD),
-    ):
-        ranks = [rank for rank, s in daemon_statuses if s.attach == attach]
-        if ranks:
-            add(reason, ranks)
-    not_attached = [
-        rank
-        for rank, s in daemon_statuses
-        if s.attach not in (ATTACHED, OLDER_DAEMON, NO_RECORD)
-        or (s.attach == ATTACHED and not isinstance(s.version, int))
-    ]
-    if not_attached:
-        add(REASON_NOT_ATTACHED, not_attached)
-    versions = {s.version for _, s in daemon_statuses if s.attach == ATTACHED}
-    if len(versions) > 1:
-        reasons.append(f"{REASON_VERSIONS_DIFFER} ({sorted(versions, key=str)})")
-    if reasons:
-        return ModeDecision(Mode.OFF, tuple(reasons))
-    (version,) = versions
-    return ModeDecision(Mode.TWO_PHASE, version=version)
-
-
-def _ranks_where(
-    statuses: Sequence[RankLayoutStatus], predicate: Callable[[RankLayoutStatus], bool]
-) -> list[int]:
-    return [rank for rank, status in enumerate(statuses) if predicate(status)]
-
-
-class BeginAction(enum.Enum):
-    MOVE = "move"
-    SKIP = "skip"  # some daemon is busy: stop this rebalance, the next interval retries
-    DISABLE = "disable"  # some daemon refused: rebalancing off for good
-
-
-@dataclass(frozen=True)
-class BeginDecision:
-    action: BeginAction
-    reason: str = ""
-
-
-def decide_begin(replies: Sequence[Mapping[str, Any]]) -> BeginDecision:
-    """What every rank does with the all-gathered begin replies (index = world rank).
-
-    A refusal is permanent, so it wins over busy; a reply that is neither ok nor busy (an error,
-    a transport failure, a malformed reply) counts as a refusal.
-    """
-    refusals = [
-        f"rank {rank}: {_status_of(reply)}: {_reason_of(reply)}"
-        for rank, reply in enumerate(replies)
-        if _status_of(reply) not in (messages.OK, messages.BUSY)
-    ]
-    if refusals:
-        return BeginDecision(BeginAction.DISABLE, "; ".join(refusals))
-    busy = [
-        f"rank {rank}: {_reason_of(reply)}"
-        for rank, reply in enumerate(replies)
-        if _status_of(reply) == messages.BUSY
-    ]
-    if busy:
-        return BeginDecision(BeginAction.SKIP, "; ".join(busy))
-    return BeginDecision(BeginAction.MOVE)
-
-
-@dataclass(frozen=True)
-class CommitCheck:
-    ok: bool
-    version: int | None = None
-    problems: tuple[str, ...] = field(default_factory=tuple)
-
-
-def check_commits(
-    replies: Sequence[Mapping[str, Any]], *, base_version: int, engine_digest: str
-) -> CommitCheck:
-    """Did every daemon record this chunk at the same new version, with the engine's digest?
-
-    ``engine_digest`` is the digest of the engine's own whole map after the move; each daemon's
-    digest is compared with it, never the other way round.
-    """
-    problems: list[str] = []
-    versions = set()
-    for rank, reply in enumerate(replies):
-        status = _status_of(reply)
-        if status != messages.OK:
-            problems.append(f"rank {rank}: commit {status}: {_reason_of(reply)}")
-            continue
-        version = reply.get("version")
-        versions.add(version)
-        if version != base_version + 1:
-            problems.append(
-                f"rank {rank}: daemon recorded version {version!r}, expected {base_version + 1}"
-            )
-        if reply.get("digest") != engine_digest:
-            problems.append(
-                f"rank {rank}: daemon digest {reply.get('digest')!r} differs from the engine's "
-                f"{engine_digest}"
-            )
-    if len(versions) > 1:
-        problems.append(f"daemons recorded different versions {sorted(versions, key=str)}")
-    if problems:
-        return CommitCheck(False, problems=tuple(problems))
-    return CommitCheck(True, version=base_version + 1)
-
-
-def _status_of(reply: Mapping[str, Any]) -> str:
-    status = reply.get("status") if isinstance(reply, Mapping) else None
-    return status if isinstance(status, str) else messages.ERROR
-
-
-def _reason_of(reply: Mapping[str, Any]) -> str:
-    if not isinstance(reply, Mapping):
-        return f"malformed reply {reply!r}"
-    return str(reply.get("reason") or reply.get("message"))
-
-
-# ---------------------------------------------------------------- the hook ------------------
+    def abort(self) -> Reply: ...
 
 
 @dataclass
@@ -269,22 +91,17 @@ class RebalanceState:
 _STATE_ATTR = "_expert_layout_rebalance_state"
 
 
-def rank_status(weights_from: str | None, session: Any) -> RankLayoutStatus:
+def rank_status(weights_from: WeightSource | None, session: Any) -> RankLayoutStatus:
     """This rank's status from the loader's weight source and the startup hook's session.
 
     ``session`` is ``engine_startup.EngineLayoutSession`` or None (startup did not attach).
     """
-    from sglang_integration.startup_agreement import FindingKind
-
     if session is None:
-        return RankLayoutStatus(weights_from, NOT_ATTACHED)
-    if session.finding is FindingKind.OLDER_DAEMON:
-        return RankLayoutStatus(weights_from, OLDER_DAEMON)
-    if session.finding is FindingKind.NO_RECORD:
-        return RankLayoutStatus(weights_from, NO_RECORD)
-    if session.finding is FindingKind.RECORD and session.attached:
-        return RankLayoutStatus(weights_from, ATTACHED, session.version)
-    return RankLayoutStatus(weights_from, NOT_ATTACHED)
+        return RankLayoutStatus(weights_from, None)
+    attached = bool(session.attached)
+    return RankLayoutStatus(
+        weights_from, session.finding, attached, session.version if attached else None
+    )
 
 
 class DaemonClient:
@@ -294,40 +111,29 @@ class DaemonClient:
         self.socket_path = socket_path
         self.engine_id = engine_id
 
-    def begin(self, base_version: int, layers: list[int]) -> dict[str, Any]:
+    def begin(self, base_version: int, layers: list[int]) -> Reply:
         from sglang_integration import client
 
-        return _summary(client.begin(self.socket_path, self.engine_id, base_version, layers))
+        return client.begin(self.socket_path, self.engine_id, base_version, layers)
 
-    def commit(self, rows: dict[int, list[int]]) -> dict[str, Any]:
+    def commit(self, rows: dict[int, list[int]]) -> Reply:
         from sglang_integration import client
 
-        return _summary(client.commit(self.socket_path, self.engine_id, rows))
+        return client.commit(self.socket_path, self.engine_id, rows)
 
-    def abort(self) -> dict[str, Any]:
+    def abort(self) -> Reply:
         from sglang_integration import client
 
-        return _summary(client.abort(self.socket_path, self.engine_id))
-
-
-def _summary(reply: Any) -> dict[str, Any]:
-    """A ``client.Reply`` as the small picklable dict the ranks all-gather."""
-    summary: dict[str, Any] = {"status": reply.outcome.value, "reason": reply.reason}
-    if reply.ok:
-        for key in ("version", "digest"):
-            if key in reply.body:
-                summary[key] = reply.body[key]
-    return summary
+        return client.abort(self.socket_path, self.engine_id)
 
 
 def _current_status_and_client() -> tuple[RankLayoutStatus, RankLayoutClient | None]:
     from sglang_integration.engine_startup import current_session
     from sglang_integration.weight_source import weight_source
 
-    source = weight_source()
     session = current_session()
-    status = rank_status(None if source is None else source.value, session)
-    if status.attach != ATTACHED:
+    status = rank_status(weight_source(), session)
+    if not status.on_record:
         return status, None
     return status, DaemonClient(session.socket_path, session.engine_id)
 
@@ -384,7 +190,7 @@ def _decide_mode_once(state: RebalanceState) -> None:
 
 
 def _rebalance_two_phase(manager: Any, state: RebalanceState) -> Iterator[None]:
-    """EPLBManager.rebalance (eplb_manager.py:115-185) without elastic EP, two-phase per chunk."""
+    """sglang's ``EPLBManager.rebalance`` without elastic EP, two-phase per chunk."""
     import time
 
     from sglang.srt.eplb.expert_distribution import (
@@ -426,13 +232,6 @@ def _rebalance_two_phase(manager: Any, state: RebalanceState) -> Iterator[None]:
 
 def _move_chunk(manager: Any, state: RebalanceState, new_metadata: Any, chunk: list[int]) -> bool:
     """One chunk: begin, move, synchronize, commit, verify. True if the next chunk may follow."""
-    from sglang.srt.eplb import eplb_manager
-    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-    from sglang.srt.model_executor.model_runner_components.moe_ep_setup import (
-        init_lplb_solvers,
-    )
-    from sglang.srt.runtime_context import get_exec, get_parallel
-
     _, client = _current_status_and_client()
     base_version = state.version
     if client is None or base_version is None:
@@ -441,25 +240,43 @@ def _move_chunk(manager: Any, state: RebalanceState, new_metadata: Any, chunk: l
     decision = decide_begin(_all_gather(my_begin))
     if decision.action is not BeginAction.MOVE:
         _abort_own_begin(client, my_begin, chunk)
-        if decision.action is BeginAction.DISABLE:
-            state.stopped_reason = decision.reason
-        if decision.action is BeginAction.SKIP:
-            state.rebalances_paused += 1
-            logger.info(
-                "EPLB rebalance paused, another engine uses the daemons (%s); "
-                "the next interval tries again",
-                decision.reason,
-            )
-        elif _is_first_rank():
-            logger.warning(
-                "EPLB rebalancing of the daemon-shared expert weights is off for good: a daemon "
-                "refused the move (%s)",
-                decision.reason,
-            )
+        _stand_down(state, decision)
         return False
-
     # A failure inside the move propagates as in sglang: the daemons keep the move pending and
     # become dirty when this engine exits, which is right, since the bytes may be half moved.
+    _move_experts(manager, new_metadata, chunk)
+    # The moved bytes must have landed before any daemon records (and then serves) them.
+    _device_synchronize()
+    return _commit_chunk(client, state, chunk, base_version)
+
+
+def _stand_down(state: RebalanceState, decision: BeginDecision) -> None:
+    """A chunk that does not move: pause this rebalance (busy) or stop for good (refused)."""
+    if decision.action is BeginAction.DISABLE:
+        state.stopped_reason = decision.reason
+    if decision.action is BeginAction.SKIP:
+        state.rebalances_paused += 1
+        logger.info(
+            "EPLB rebalance paused, another engine uses the daemons (%s); "
+            "the next interval tries again",
+            decision.reason,
+        )
+    elif _is_first_rank():
+        logger.warning(
+            "EPLB rebalancing of the daemon-shared expert weights is off for good: a daemon "
+            "refused the move (%s)",
+            decision.reason,
+        )
+
+
+def _move_experts(manager: Any, new_metadata: Any, chunk: list[int]) -> None:
+    """sglang's own move of the chunk's experts, with the arguments its rebalance passes."""
+    from sglang.srt.eplb import eplb_manager
+    from sglang.srt.model_executor.model_runner_components.moe_ep_setup import (
+        init_lplb_solvers,
+    )
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
     eplb_manager.update_expert_location_with_recovery(
         expert_location_updater=manager._get_expert_location_updater(),
         model=manager._get_model(),
@@ -472,7 +289,13 @@ def _move_chunk(manager: Any, state: RebalanceState, new_metadata: Any, chunk: l
         ep_dispatch_algorithm=get_exec().moe.ep_dispatch_algorithm,
         init_lplb_solvers_callable=lambda: init_lplb_solvers(model_config=manager._model_config),
     )
-    _device_synchronize()
+
+
+def _commit_chunk(
+    client: RankLayoutClient, state: RebalanceState, chunk: list[int], base_version: int
+) -> bool:
+    """Commit the chunk's rows on every rank and check what the daemons recorded."""
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
     engine_map = get_global_expert_location_metadata().physical_to_logical_map_cpu.tolist()
     rows = {layer: [int(x) for x in engine_map[layer]] for layer in chunk}
@@ -497,38 +320,38 @@ def _move_chunk(manager: Any, state: RebalanceState, new_metadata: Any, chunk: l
     return True
 
 
-def _abort_own_begin(
-    client: RankLayoutClient, my_begin: Mapping[str, Any], chunk: list[int]
-) -> None:
+def _abort_own_begin(client: RankLayoutClient, my_begin: Reply, chunk: list[int]) -> None:
     """Abort this rank's begin when it succeeded, or when it may have landed (an error reply).
 
     busy and refused leave nothing pending; after an error the abort is a precaution whose
     refusal ("no move pending") is expected and not logged.
     """
-    begin_status = _status_of(my_begin)
-    if begin_status in (messages.BUSY, messages.REFUSED):
+    if my_begin.outcome in (Outcome.BUSY, Outcome.REFUSED):
         return
     abort_reply = _call(client.abort)
-    if begin_status == messages.OK and _status_of(abort_reply) != messages.OK:
+    if my_begin.ok and not abort_reply.ok:
         logger.error(
             "abort of the expert move of layers %s failed (%s); the daemon keeps the move "
             "pending and becomes dirty when this engine exits. %s",
             chunk,
-            abort_reply.get("reason"),
+            abort_reply.reason,
             RESTART_DAEMONS_ADVICE,
         )
 
 
-def _call(request: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run one request; a transport failure becomes an error reply so the all-gather still runs."""
+def _call(request: Callable[[], Reply]) -> Reply:
+    """Run one request; a failure becomes an ``ERROR`` reply so the all-gather still runs.
+
+    The reply is trimmed (``Reply.trimmed``) to what the ranks all-gather.
+    """
     try:
         reply = request()
     except Exception as exc:  # every rank must reach the all-gather that follows
         logger.warning("expert layout request failed: %s", exc)
-        return {"status": messages.ERROR, "reason": f"request failed: {exc}"}
-    if not isinstance(reply, dict):
-        return {"status": messages.ERROR, "reason": f"malformed reply {reply!r}"}
-    return reply
+        return Reply(Outcome.ERROR, f"request failed: {exc}")
+    if not isinstance(reply, Reply):
+        return Reply(Outcome.ERROR, f"malformed reply {reply!r}")
+    return reply.trimmed()
 
 
 def _all_gather(value: Any) -> list[Any]:

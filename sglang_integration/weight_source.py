@@ -8,15 +8,13 @@ means the IPC loader did not run (weight cache off). One value per process, i.e.
 
 from __future__ import annotations
 
-import enum
 import logging
+
+from layout_ledger.agreement import WeightSource
 
 logger = logging.getLogger(__name__)
 
-
-class WeightSource(enum.Enum):
-    DAEMON = "daemon"  # mapped zero-copy from the weight cache daemon
-    DISK = "disk"  # the IPC loader fell back to a disk load (client mode, no daemon socket)
+__all__ = ["WeightSource", "record_weight_source", "weight_source"]
 
 
 class _ThisRank:

@@ -116,7 +116,7 @@ def test_status_json_carries_the_protocol_layout_state_without_the_map(ledgers, 
     assert out == json.dumps(status, sort_keys=True, indent=2) + "\n"
     with LedgerReader(ledgers[kind]) as reader:
         state = reader.state()
-    protocol = state.to_protocol()
+    protocol = state.view().to_wire()
     del protocol["physical_to_logical_map"]
     assert {key: status[key] for key in protocol} == protocol
     assert status["incarnation_id"] == state.incarnation_id

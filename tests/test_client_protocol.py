@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from test_engine_startup_hook import model_less_daemon, scripted_peer
 
-from layout_ledger import messages
+from layout_ledger import protocol
+from layout_ledger.protocol import LayoutView, Outcome, PendingMove, ProtocolViolation
 from sglang_integration import client
-from sglang_integration.client import Outcome, ProtocolViolation, parse_layout
 
 
 def reply_with(body: Any) -> Any:
@@ -124,9 +124,9 @@ def layout(**overrides: Any) -> dict[str, Any]:
 
 
 def test_a_well_formed_layout_parses_into_typed_fields() -> None:
-    parsed = parse_layout(layout())
+    parsed = LayoutView.from_wire(layout())
     assert parsed.version == 2
-    assert parsed.pending == client.PendingMove("engine-b", (1,), 2)
+    assert parsed.pending == PendingMove("engine-b", (1,), 2)
     assert parsed.attached == ("engine-b",)
 
 
@@ -149,11 +149,11 @@ def test_a_well_formed_layout_parses_into_typed_fields() -> None:
 )
 def test_a_malformed_layout_is_a_protocol_violation(overrides: dict[str, Any]) -> None:
     with pytest.raises(ProtocolViolation):
-        parse_layout(layout(**overrides))
+        LayoutView.from_wire(layout(**overrides))
 
 
 def test_an_ok_reply_with_a_malformed_layout_reads_as_error(tmp_path: Path) -> None:
-    body = {"status": messages.OK, "layout": layout(version="2")}
+    body = {"status": protocol.OK, "layout": layout(version="2")}
     with scripted_peer(tmp_path / "bad.sock", reply_with(body)):
         reply = client.query(str(tmp_path / "bad.sock"))
     assert reply.outcome is Outcome.ERROR
@@ -168,7 +168,7 @@ def test_an_unknown_status_reads_as_error_not_as_ok(tmp_path: Path) -> None:
 
 
 def test_a_commit_acknowledged_without_version_and_digest_reads_as_error(tmp_path: Path) -> None:
-    with scripted_peer(tmp_path / "c.sock", reply_with({"status": messages.OK})):
+    with scripted_peer(tmp_path / "c.sock", reply_with({"status": protocol.OK})):
         reply = client.commit(str(tmp_path / "c.sock"), "engine-a", {0: [1, 0]})
     assert reply.outcome is Outcome.ERROR
     assert "without a valid version and digest" in (reply.reason or "")

@@ -37,7 +37,7 @@ from harness.daemon_control import (
     send_raw,
     start_daemon,
 )
-from layout_ledger import messages as msg
+from layout_ledger import protocol as msg
 from layout_ledger.rules import MAX_ENGINE_ID
 from sglang_integration import client
 

@@ -24,8 +24,9 @@ from harness.daemon_control import (
     request,
     start_daemon,
 )
-from layout_ledger import messages as msg
+from layout_ledger import protocol as msg
 from layout_ledger.layout import layout_digest, trivial_map
+from layout_ledger.protocol import Outcome
 from layout_ledger.reader import LedgerReader
 from sglang_integration import client
 
@@ -113,7 +114,7 @@ def test_sigkill_after_begin_leaves_the_daemon_dirty_naming_engine_layers_and_ba
     try:
         assert newer.attach_reply.ok and newer.attach_reply.layout.dirty
         begin = newer.begin(0, [0])
-        assert begin.outcome is client.Outcome.REFUSED
+        assert begin.outcome is Outcome.REFUSED
         assert "restart the daemon" in (begin.reason or "")
         field = {"engine_id": "engine-new", "version": 0, "digest": layout_digest(INITIAL)}
         refused = newer.fetch_state(
@@ -172,7 +173,7 @@ def test_killing_one_engine_leaves_the_other_engines_attached(daemon: DaemonProc
         engines[2].kill()
         state = wait_detached(daemon, "engine-2")
         assert state["attached"] == ["engine-0", "engine-1", "engine-3", "engine-4"]
-        assert engines[0].begin(0, [0]).outcome is client.Outcome.BUSY
+        assert engines[0].begin(0, [0]).outcome is Outcome.BUSY
         for engine in engines[1:]:
             if engine.engine_id != "engine-2":
                 engine.kill()

@@ -23,8 +23,9 @@ from harness.daemon_control import (
     request,
     start_daemon,
 )
-from layout_ledger import messages as msg
+from layout_ledger import protocol as msg
 from layout_ledger.layout import layout_digest, trivial_map
+from layout_ledger.protocol import Outcome
 from layout_ledger.reader import LedgerReader
 from sglang_integration import client
 
@@ -142,7 +143,7 @@ def test_abort_clears_the_move_without_a_change(daemon: DaemonProcess) -> None:
         assert (state["version"], state["pending"]) == (0, None)
         assert state["physical_to_logical_map"] == INITIAL
         again = client.abort(daemon.socket_path, "engine-A")
-        assert again.outcome is client.Outcome.REFUSED and "no move pending" in (again.reason or "")
+        assert again.outcome is Outcome.REFUSED and "no move pending" in (again.reason or "")
         assert kinds(daemon)[-3:] == ["begin", "abort", "abort_refused"]
     finally:
         engine.close()
@@ -183,7 +184,7 @@ def test_a_pending_move_can_be_committed_after_a_refused_commit(daemon: DaemonPr
     try:
         assert client.begin(daemon.socket_path, "engine-A", 0, [0, 1]).ok
         bad = client.commit(daemon.socket_path, "engine-A", {0: MOVED_ROW})
-        assert bad.outcome is client.Outcome.REFUSED
+        assert bad.outcome is Outcome.REFUSED
         good = client.commit(daemon.socket_path, "engine-A", {0: MOVED_ROW, 1: MOVED_ROW})
         assert good.ok and good.body["version"] == 1
     finally:
@@ -196,10 +197,10 @@ def test_a_commit_from_another_engine_is_refused_and_leaves_the_move_pending(
     assert client.begin(shared.socket_path, "engine-A", 0, [0]).ok
     try:
         reply = client.commit(shared.socket_path, "engine-B", {0: MOVED_ROW})
-        assert reply.outcome is client.Outcome.REFUSED
+        assert reply.outcome is Outcome.REFUSED
         assert "engine 'engine-A'" in (reply.reason or "")
         assert layout(shared)["pending"]["engine_id"] == "engine-A"
-        assert client.abort(shared.socket_path, "engine-B").outcome is client.Outcome.REFUSED
+        assert client.abort(shared.socket_path, "engine-B").outcome is Outcome.REFUSED
         assert layout(shared)["pending"]["engine_id"] == "engine-A"
     finally:
         assert client.abort(shared.socket_path, "engine-A").ok
@@ -245,7 +246,7 @@ def test_a_malformed_begin_is_refused_and_changes_nothing(
 
 def test_begin_from_an_engine_that_is_not_attached_is_refused(shared: DaemonProcess) -> None:
     reply = client.begin(shared.socket_path, "ghost", 0, [0])
-    assert reply.outcome is client.Outcome.REFUSED and "not attached" in (reply.reason or "")
+    assert reply.outcome is Outcome.REFUSED and "not attached" in (reply.reason or "")
     assert layout(shared)["pending"] is None
 
 
@@ -255,9 +256,7 @@ def test_a_second_begin_of_the_same_engine_is_refused_while_its_move_is_pending(
     assert client.begin(shared.socket_path, "engine-A", 0, [0]).ok
     try:
         again = client.begin(shared.socket_path, "engine-A", 0, [1])
-        assert again.outcome is client.Outcome.REFUSED and "already has a move" in (
-            again.reason or ""
-        )
+        assert again.outcome is Outcome.REFUSED and "already has a move" in (again.reason or "")
         assert layout(shared)["pending"]["layers"] == [0]
     finally:
         assert client.abort(shared.socket_path, "engine-A").ok
@@ -265,7 +264,7 @@ def test_a_second_begin_of_the_same_engine_is_refused_while_its_move_is_pending(
 
 def test_an_engine_id_already_attached_cannot_attach_twice(shared: DaemonProcess) -> None:
     second = client.attach(shared.socket_path, "engine-A")
-    assert second.reply.outcome is client.Outcome.REFUSED and not second.is_open
+    assert second.reply.outcome is Outcome.REFUSED and not second.is_open
     assert "already attached" in (second.reply.reason or "")
     assert layout(shared)["attached"] == ["engine-A"]
 
@@ -286,16 +285,16 @@ def test_a_standby_makes_begin_busy_and_takes_over_at_the_current_version_when_t
         standby = EngineStandIn.start(daemon.socket_path, "engine-B-standby")
         assert standby.attach_reply.ok and standby.attach_reply.layout.version == 1
         busy = first.begin(1, [1])
-        assert busy.outcome is client.Outcome.BUSY and "engine-B-standby" in (busy.reason or "")
-        assert standby.begin(1, [1]).outcome is client.Outcome.BUSY
+        assert busy.outcome is Outcome.BUSY and "engine-B-standby" in (busy.reason or "")
+        assert standby.begin(1, [1]).outcome is Outcome.BUSY
         # A begin that would be refused is refused, never busy (stale base version).
-        assert standby.begin(0, [1]).outcome is client.Outcome.REFUSED
+        assert standby.begin(0, [1]).outcome is Outcome.REFUSED
         assert layout(daemon)["pending"] is None and kinds(daemon).count("begin_busy") == 2
 
         first.exit()
         wait_detached(daemon, "engine-A")
         stale = standby.begin(0, [1])
-        assert stale.outcome is client.Outcome.REFUSED
+        assert stale.outcome is Outcome.REFUSED
         assert "is not the current version 1" in (stale.reason or "")
         assert standby.begin(1, [1]).ok
         assert standby.commit({1: MOVED_ROW}).body["version"] == 2
@@ -317,7 +316,7 @@ def test_a_standby_that_attached_during_a_move_must_name_the_version_after_it(
         assert first.commit({0: MOVED_ROW, 1: MOVED_ROW}).body["version"] == 1  # commit still ok
         first.kill()
         wait_detached(daemon, "engine-A")
-        assert standby.begin(0, [2]).outcome is client.Outcome.REFUSED
+        assert standby.begin(0, [2]).outcome is Outcome.REFUSED
         assert standby.begin(1, [2]).ok
     finally:
         first.kill()
@@ -339,7 +338,7 @@ def test_a_fetch_without_the_field_at_version_0_is_served_and_then_disables_move
         assert served["status"] == "ok" and served["entries"] == {}
         assert layout(daemon)["non_following_fetch"] is True
         refused = client.begin(daemon.socket_path, "engine-A", 0, [0])
-        assert refused.outcome is client.Outcome.REFUSED
+        assert refused.outcome is Outcome.REFUSED
         assert "does not follow the expert layout" in (refused.reason or "")
         assert [e["kind"] for e in events(daemon)][-2:] == ["non_following_fetch", "begin_refused"]
     finally:
@@ -357,9 +356,7 @@ def test_a_fetch_with_a_matching_digest_from_an_unattached_engine_disables_moves
             {"type": "fetch_state", "config": cache_config(daemon), "expert_layout": field},
         )
         assert served["status"] == "ok"
-        assert (
-            client.begin(daemon.socket_path, "engine-A", 0, [0]).outcome is client.Outcome.REFUSED
-        )
+        assert client.begin(daemon.socket_path, "engine-A", 0, [0]).outcome is Outcome.REFUSED
     finally:
         engine.close()
 
@@ -425,16 +422,14 @@ def test_a_daemon_without_a_record_answers_no_record_and_serves_fetches(tmp_path
     )
     try:
         attach = client.attach(daemon.socket_path, "engine-A")
-        assert attach.reply.outcome is client.Outcome.NO_RECORD and not attach.is_open
-        assert client.query(daemon.socket_path).outcome is client.Outcome.NO_RECORD
+        assert attach.reply.outcome is Outcome.NO_RECORD and not attach.is_open
+        assert client.query(daemon.socket_path).outcome is Outcome.NO_RECORD
         for reply in (
             client.begin(daemon.socket_path, "engine-A", 0, [0]),
             client.commit(daemon.socket_path, "engine-A", {0: MOVED_ROW}),
             client.abort(daemon.socket_path, "engine-A"),
         ):
-            assert reply.outcome is client.Outcome.REFUSED and "--enable-eplb" in (
-                reply.reason or ""
-            )
+            assert reply.outcome is Outcome.REFUSED and "--enable-eplb" in (reply.reason or "")
         served = request(
             daemon.socket_path, {"type": "fetch_state", "config": cache_config(daemon)}
         )

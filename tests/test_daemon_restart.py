@@ -20,7 +20,7 @@ from harness.daemon_control import (
     request,
     start_daemon,
 )
-from layout_ledger import messages as msg
+from layout_ledger import protocol as msg
 from layout_ledger.layout import layout_digest, trivial_map
 from layout_ledger.reader import LedgerReader
 from sglang_integration import client

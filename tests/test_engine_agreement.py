@@ -1,4 +1,4 @@
-"""startup_agreement.decide: one decision from every rank's finding (DESIGN.md "Engine side")."""
+"""agreement.decide: one decision from every rank's finding (DESIGN.md "Engine side")."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from layout_ledger.layout import layout_digest, trivial_map
-from sglang_integration.startup_agreement import (
+from layout_ledger.agreement import (
     AdoptLayout,
     FailStartup,
     FindingKind,
@@ -18,6 +17,7 @@ from sglang_integration.startup_agreement import (
     RankFinding,
     decide,
 )
+from layout_ledger.layout import layout_digest, trivial_map
 
 INITIAL = trivial_map(3, 10, 8)
 INITIAL_DIGEST = layout_digest(INITIAL)

@@ -43,7 +43,7 @@ from harness.cpu_engine import (
     write_tiny_moe_config,
 )
 from harness.daemon_control import DaemonProcess
-from layout_ledger import messages
+from layout_ledger import protocol
 from layout_ledger.layout import layout_digest, trivial_map
 from layout_ledger.sglang_env import QUIET_SGLANG_ENV
 
@@ -546,7 +546,7 @@ def _attach_ok_with(layout: dict[str, Any]) -> Any:
         from sglang.srt.weight_cache.protocol import recv_msg, send_msg
 
         recv_msg(conn)
-        send_msg(conn, {"status": messages.OK, "layout": layout})
+        send_msg(conn, {"status": protocol.OK, "layout": layout})
 
     return handle
 

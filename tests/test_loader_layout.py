@@ -37,8 +37,9 @@ from harness.daemon_control import (
     EngineStandIn,
     request,
 )
-from layout_ledger import messages
+from layout_ledger import protocol
 from layout_ledger.layout import layout_digest, trivial_map
+from layout_ledger.protocol import Outcome
 from sglang_integration import client
 
 INITIAL = trivial_map(NUM_LAYERS, NUM_SLOTS, NUM_LOGICAL)
@@ -76,8 +77,8 @@ def _refusing_daemon(requests: list[dict[str, Any]], reason: str) -> Any:
 
         request_ = recv_msg(conn)
         requests.append(request_)
-        if request_.get("type") == messages.FETCH_STATE:
-            send_msg(conn, {"status": messages.LAYOUT_REFUSED, "reason": reason})
+        if request_.get("type") == protocol.FETCH_STATE:
+            send_msg(conn, {"status": protocol.LAYOUT_REFUSED, "reason": reason})
         else:
             unknown = f"Unknown request type: {request_['type']}"
             send_msg(conn, {"status": "error", "message": unknown})
@@ -94,7 +95,7 @@ def engine_cache_config(
     path = tmp_path_factory.mktemp("capture") / "capture.sock"
     with scripted_peer(path, _refusing_daemon(requests, "capture")):
         run(one_rank, model_dir, path, fetch="fetch")
-    (fetch,) = [r for r in requests if r.get("type") == messages.FETCH_STATE]
+    (fetch,) = [r for r in requests if r.get("type") == protocol.FETCH_STATE]
     return dict(fetch["config"])
 
 
@@ -141,8 +142,8 @@ def test_the_loader_sends_engine_id_version_and_the_digest_it_routes_with(
     with scripted_peer(path, _refusing_daemon(requests, reason)):
         report = run(one_rank, model_dir, path, fetch="load_model")
     assert report["error"] is None
-    (fetch,) = [r for r in requests if r.get("type") == messages.FETCH_STATE]
-    assert fetch[messages.FETCH_LAYOUT_FIELD] == {
+    (fetch,) = [r for r in requests if r.get("type") == protocol.FETCH_STATE]
+    assert fetch[protocol.FETCH_LAYOUT_FIELD] == {
         "engine_id": None,  # this daemon did not accept an attach
         "version": 0,
         "digest": layout_digest(INITIAL),
@@ -226,7 +227,7 @@ def test_older_engine_on_a_new_daemon_is_served_at_version_zero_and_then_moves_a
         finally:
             mover.exit()
     assert state is not None and state.non_following_fetch is True
-    assert begin.outcome is client.Outcome.REFUSED
+    assert begin.outcome is Outcome.REFUSED
 
 
 @pytest.mark.timeout(180)
@@ -248,7 +249,7 @@ def test_older_engine_on_a_new_daemon_after_a_move_is_refused_and_does_not_fall_
         "RuntimeError: [IpcModelLoader] Daemon config mismatch!"
     )
     assert "result" not in report["fetch"]  # no disk fallback
-    assert reply["status"] == messages.LAYOUT_REFUSED
+    assert reply["status"] == protocol.LAYOUT_REFUSED
     assert reply["reason"].endswith(
         "upgrade the engine (install the expert layout plugin) or restart the daemon"
     )

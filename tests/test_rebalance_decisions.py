@@ -6,15 +6,8 @@ import socket
 
 import pytest
 
-from layout_ledger import messages
-from layout_ledger.layout import layout_digest, trivial_map
-from sglang_integration import client
-from sglang_integration.engine_startup import EngineLayoutSession
-from sglang_integration.rebalance import (
-    ATTACHED,
-    NO_RECORD,
-    NOT_ATTACHED,
-    OLDER_DAEMON,
+from layout_ledger import protocol
+from layout_ledger.agreement import (
     REASON_ELASTIC_EP,
     REASON_MIXED_SOURCES,
     REASON_NO_RECORD,
@@ -22,21 +15,31 @@ from sglang_integration.rebalance import (
     REASON_OLDER_DAEMON,
     REASON_UNKNOWN_SOURCE,
     REASON_VERSIONS_DIFFER,
-    WEIGHTS_FROM_DAEMON,
-    WEIGHTS_FROM_DISK,
     BeginAction,
+    FindingKind,
     Mode,
     RankLayoutStatus,
-    _summary,
+    WeightSource,
     check_commits,
     decide_begin,
     decide_mode,
-    rank_status,
 )
-from sglang_integration.startup_agreement import FindingKind
+from layout_ledger.layout import layout_digest, trivial_map
+from layout_ledger.protocol import Outcome, Reply
+from sglang_integration import client
+from sglang_integration.engine_startup import EngineLayoutSession
+from sglang_integration.rebalance import rank_status
 
-DAEMON_AT_3 = RankLayoutStatus(WEIGHTS_FROM_DAEMON, ATTACHED, 3)
-DISK = RankLayoutStatus(WEIGHTS_FROM_DISK, NOT_ATTACHED)
+WEIGHTS_FROM_DAEMON = WeightSource.DAEMON
+WEIGHTS_FROM_DISK = WeightSource.DISK
+# A rank's standing with its daemon: what startup found there, and whether it is attached.
+ATTACHED = (FindingKind.RECORD, True)
+NOT_ATTACHED = (None, False)
+OLDER_DAEMON = (FindingKind.OLDER_DAEMON, False)
+NO_RECORD = (FindingKind.NO_RECORD, False)
+
+DAEMON_AT_3 = RankLayoutStatus(WEIGHTS_FROM_DAEMON, *ATTACHED, 3)
+DISK = RankLayoutStatus(WEIGHTS_FROM_DISK, *NOT_ATTACHED)
 
 
 def _only(reasons: tuple[str, ...], prefix: str) -> str:
@@ -76,9 +79,9 @@ def test_ranks_mixing_disk_and_daemon_weights_stay_off_naming_the_disk_ranks() -
     ],
 )
 def test_a_daemon_without_a_record_or_an_engine_that_did_not_attach_stays_off(
-    attach: str, reason: str
+    attach: tuple[FindingKind | None, bool], reason: str
 ) -> None:
-    other = RankLayoutStatus(WEIGHTS_FROM_DAEMON, attach)
+    other = RankLayoutStatus(WEIGHTS_FROM_DAEMON, *attach)
     decision = decide_mode([DAEMON_AT_3, other], elastic_ep=False)
     assert decision.mode is Mode.OFF
     assert _only(decision.reasons, reason).endswith("(rank 1)")
@@ -92,10 +95,10 @@ def test_elastic_ep_with_daemon_weights_stays_off() -> None:
 
 def test_each_reason_is_reported_once_with_every_rank_it_applies_to() -> None:
     statuses = [
-        RankLayoutStatus(WEIGHTS_FROM_DAEMON, OLDER_DAEMON),
+        RankLayoutStatus(WEIGHTS_FROM_DAEMON, *OLDER_DAEMON),
         DISK,
-        RankLayoutStatus(WEIGHTS_FROM_DAEMON, OLDER_DAEMON),
-        RankLayoutStatus(None, NOT_ATTACHED),
+        RankLayoutStatus(WEIGHTS_FROM_DAEMON, *OLDER_DAEMON),
+        RankLayoutStatus(None, *NOT_ATTACHED),
     ]
     decision = decide_mode(statuses, elastic_ep=True)
     assert decision.mode is Mode.OFF
@@ -108,7 +111,7 @@ def test_each_reason_is_reported_once_with_every_rank_it_applies_to() -> None:
 
 def test_an_attached_rank_without_a_version_counts_as_not_attached() -> None:
     decision = decide_mode(
-        [DAEMON_AT_3, RankLayoutStatus(WEIGHTS_FROM_DAEMON, ATTACHED, None)], elastic_ep=False
+        [DAEMON_AT_3, RankLayoutStatus(WEIGHTS_FROM_DAEMON, *ATTACHED, None)], elastic_ep=False
     )
     assert decision.mode is Mode.OFF
     assert _only(decision.reasons, REASON_NOT_ATTACHED).endswith("(rank 1)")
@@ -116,7 +119,7 @@ def test_an_attached_rank_without_a_version_counts_as_not_attached() -> None:
 
 def test_daemons_at_different_versions_stay_off() -> None:
     decision = decide_mode(
-        [DAEMON_AT_3, RankLayoutStatus(WEIGHTS_FROM_DAEMON, ATTACHED, 4)], elastic_ep=False
+        [DAEMON_AT_3, RankLayoutStatus(WEIGHTS_FROM_DAEMON, *ATTACHED, 4)], elastic_ep=False
     )
     assert decision.mode is Mode.OFF
     assert _only(decision.reasons, REASON_VERSIONS_DIFFER)
@@ -124,9 +127,9 @@ def test_daemons_at_different_versions_stay_off() -> None:
 
 # ------------------------------------------------------------------ decide_begin ------------
 
-OK = {"status": messages.OK, "reason": None}
-BUSY = {"status": messages.BUSY, "reason": "another engine is attached"}
-REFUSED = {"status": messages.REFUSED, "reason": "base_version 2 is not the current version 3"}
+OK = Reply(Outcome.OK)
+BUSY = Reply(Outcome.BUSY, "another engine is attached")
+REFUSED = Reply(Outcome.REFUSED, "base_version 2 is not the current version 3")
 
 
 def test_every_daemon_agreeing_moves() -> None:
@@ -148,15 +151,15 @@ def test_a_refusal_disables_for_good_even_when_another_daemon_is_busy() -> None:
 @pytest.mark.parametrize(
     "reply",
     [
-        {"status": "unreachable", "reason": "connection refused"},
-        {"status": messages.ERROR, "reason": "request failed"},
-        {"status": "older_daemon", "reason": "Unknown request type"},
-        {"reason": "no status"},
-        "not a dict",
+        Reply(Outcome.UNREACHABLE, "connection refused"),
+        Reply(Outcome.ERROR, "request failed"),
+        Reply(Outcome.OLDER_DAEMON, "Unknown request type"),
+        Reply.from_wire({"reason": "no status"}, request_type=protocol.BEGIN, peer="d.sock"),
+        Reply.from_wire("not a dict", request_type=protocol.BEGIN, peer="d.sock"),
     ],
 )
-def test_a_reply_that_is_neither_ok_nor_busy_counts_as_a_refusal(reply: object) -> None:
-    assert decide_begin([OK, reply]).action is BeginAction.DISABLE  # type: ignore[list-item]
+def test_a_reply_that_is_neither_ok_nor_busy_counts_as_a_refusal(reply: Reply) -> None:
+    assert decide_begin([OK, reply]).action is BeginAction.DISABLE
 
 
 # ------------------------------------------------------------------ check_commits -----------
@@ -165,8 +168,8 @@ MAP = trivial_map(8, 12, 8)
 DIGEST = layout_digest(MAP)
 
 
-def _committed(version: int, digest: str = DIGEST) -> dict[str, object]:
-    return {"status": messages.OK, "reason": None, "version": version, "digest": digest}
+def _committed(version: int, digest: str = DIGEST) -> Reply:
+    return Reply(Outcome.OK, None, {"version": version, "digest": digest})
 
 
 def test_commits_at_the_next_version_with_the_engines_digest_pass() -> None:
@@ -194,7 +197,7 @@ def test_daemons_recording_different_or_unexpected_versions_fail_the_check() -> 
 
 
 def test_a_refused_commit_fails_the_check() -> None:
-    refused = {"status": messages.REFUSED, "reason": "layers differ from the pending move"}
+    refused = Reply(Outcome.REFUSED, "layers differ from the pending move")
     check = check_commits([_committed(4), refused], base_version=3, engine_digest=DIGEST)
     assert not check.ok
     assert check.problems == ("rank 1: commit refused: layers differ from the pending move",)
@@ -216,35 +219,37 @@ def _session(finding: FindingKind, attachment: client.Attachment | None) -> Engi
 
 
 def test_rank_status_reads_the_startup_session() -> None:
-    closed = client.Attachment("/nonexistent", "engine-a", client.Reply(client.Outcome.OK), None)
+    closed = client.Attachment("/nonexistent", "engine-a", Reply(Outcome.OK), None)
     ours, theirs = socket.socketpair()
-    attached = client.Attachment("/nonexistent", "engine-a", client.Reply(client.Outcome.OK), ours)
+    attached = client.Attachment("/nonexistent", "engine-a", Reply(Outcome.OK), ours)
     try:
         assert rank_status(WEIGHTS_FROM_DAEMON, _session(FindingKind.RECORD, attached)) == (
-            RankLayoutStatus(WEIGHTS_FROM_DAEMON, ATTACHED, 7)
+            RankLayoutStatus(WEIGHTS_FROM_DAEMON, *ATTACHED, 7)
         )
     finally:
         attached.close()
         theirs.close()
     assert rank_status(WEIGHTS_FROM_DAEMON, None) == RankLayoutStatus(
-        WEIGHTS_FROM_DAEMON, NOT_ATTACHED
+        WEIGHTS_FROM_DAEMON, *NOT_ATTACHED
     )
-    assert rank_status(WEIGHTS_FROM_DAEMON, _session(FindingKind.OLDER_DAEMON, None)).attach == (
-        OLDER_DAEMON
-    )
-    assert rank_status(WEIGHTS_FROM_DAEMON, _session(FindingKind.NO_RECORD, None)).attach == (
+    assert _standing(
+        rank_status(WEIGHTS_FROM_DAEMON, _session(FindingKind.OLDER_DAEMON, None))
+    ) == (OLDER_DAEMON)
+    assert _standing(rank_status(WEIGHTS_FROM_DAEMON, _session(FindingKind.NO_RECORD, None))) == (
         NO_RECORD
     )
     # A record whose attach connection is closed is not an attachment.
-    assert rank_status(WEIGHTS_FROM_DAEMON, _session(FindingKind.RECORD, closed)).attach == (
-        NOT_ATTACHED
-    )
+    assert not rank_status(WEIGHTS_FROM_DAEMON, _session(FindingKind.RECORD, closed)).on_record
+
+
+def _standing(status: RankLayoutStatus) -> tuple[FindingKind | None, bool]:
+    return status.finding, status.attached
 
 
 def test_a_commit_reply_summary_keeps_the_version_and_digest() -> None:
-    reply = client.Reply(
-        client.Outcome.OK, None, {"status": "ok", "version": 4, "digest": DIGEST, "big": [1] * 9}
+    reply = Reply(
+        Outcome.OK, None, {"status": "ok", "version": 4, "digest": DIGEST, "big": [1] * 9}
     )
-    assert _summary(reply) == {"status": "ok", "reason": None, "version": 4, "digest": DIGEST}
-    busy = client.Reply(client.Outcome.BUSY, "another engine is attached", {"status": "busy"})
-    assert _summary(busy) == {"status": "busy", "reason": "another engine is attached"}
+    assert reply.trimmed() == Reply(Outcome.OK, None, {"version": 4, "digest": DIGEST})
+    busy = Reply(Outcome.BUSY, "another engine is attached", {"status": "busy"})
+    assert busy.trimmed() == Reply(Outcome.BUSY, "another engine is attached")

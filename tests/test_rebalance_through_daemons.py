@@ -87,6 +87,46 @@ def _unattached_engine_fetch(socket_path: str) -> None:
         raise RuntimeError(f"the unattached fetch was not served: {reply!r}")
 
 
+class _CallOrder:
+    """In an engine rank: the order of the steps the synchronize rule is about.
+
+    Wraps, where the rebalance hook looks them up at call time, sglang's
+    ``update_expert_location_with_recovery`` ("move", noted when it returns), the device's
+    ``synchronize`` (``torch.cpu`` on this CPU engine; "synchronize", noted when it returns) and
+    the client's ``commit`` ("commit", noted before it is sent).
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def install(self) -> _CallOrder:
+        import torch
+        from sglang.srt.eplb import eplb_manager
+
+        from sglang_integration import client
+
+        self._note_after(eplb_manager, "update_expert_location_with_recovery", "move")
+        self._note_after(torch.cpu, "synchronize", "synchronize")
+        commit = client.commit
+
+        def noted_commit(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append("commit")
+            return commit(*args, **kwargs)
+
+        client.commit = noted_commit
+        return self
+
+    def _note_after(self, owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            self.calls.append(label)
+            return result
+
+        setattr(owner, name, noted)
+
+
 class _LogRecords(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -120,12 +160,15 @@ def _daemon_engine_rank(
         daemon_socket=sockets[rank],
         weight_cache_mode="client",
     )
+    calls = _CallOrder().install()
     engine_id = current_session().engine_id
     for phase, rebalances in plan:
         try:
+            calls.calls.clear()
             report = _run_phase(
                 rank, phase, rebalances, manager, model, sockets, engine_id, phase_events, records
             )
+            report["calls"] = list(calls.calls)
         except Exception:
             results.put({"rank": rank, "phase": phase, "error": traceback.format_exc()})
             raise
@@ -325,6 +368,20 @@ def test_every_chunk_is_committed_on_every_daemon_at_the_next_version(story: Sto
 
 
 @pytest.mark.timeout(300)
+def test_every_rank_synchronizes_the_device_after_the_experts_move_and_before_it_commits(
+    story: Story,
+) -> None:
+    for rank in range(EP_SIZE):
+        calls = story[("alone", rank)]["calls"]
+        commits = [index for index, call in enumerate(calls) if call == "commit"]
+        assert len(commits) == 2 * CHUNKS_PER_REBALANCE, calls
+        for index in commits:
+            since_move = calls[:index][::-1]
+            assert "move" in since_move, calls
+            assert "synchronize" in since_move[: since_move.index("move")], calls
+
+
+@pytest.mark.timeout(300)
 def test_a_standby_on_one_ranks_daemon_pauses_the_move_on_every_rank(story: Story) -> None:
     before = story[("alone", 0)]["routed"]
     for rank in range(EP_SIZE):
@@ -382,7 +439,7 @@ def _lying_proxy(listen_path: str, upstream_path: str, ready: Any) -> None:
 
     from sglang.srt.weight_cache.protocol import recv_msg, send_msg
 
-    from layout_ledger import messages
+    from layout_ledger import protocol
 
     def relay(conn: socket.socket) -> None:
         with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as upstream:
@@ -390,10 +447,10 @@ def _lying_proxy(listen_path: str, upstream_path: str, ready: Any) -> None:
             request = recv_msg(conn)
             send_msg(upstream, request)
             reply = recv_msg(upstream)
-            if request.get("type") == messages.COMMIT and reply.get("status") == messages.OK:
+            if request.get("type") == protocol.COMMIT and reply.get("status") == protocol.OK:
                 reply = {**reply, "digest": "0" * 64}
             send_msg(conn, reply)
-            if request.get("type") == messages.ATTACH and reply.get("status") == messages.OK:
+            if request.get("type") == protocol.ATTACH and reply.get("status") == protocol.OK:
                 conn.settimeout(None)
                 while conn.recv(4096):
                     pass

@@ -557,7 +557,7 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     try:
         engine.start()
     except Exception as exc:
-        from sglang_integration.startup_agreement import ExpertLayoutStartupError
+        from layout_ledger.agreement import ExpertLayoutStartupError
 
         logger.exception("engine %s rank %d did not start", spec.name, rank)
         if isinstance(exc, ExpertLayoutStartupError):

@@ -1,0 +1,407 @@
+"""The expert layout wire protocol (docs/protocol.md), defined once for the daemon and the engine.
+
+Every shape that crosses the daemon's control socket is here with its ``to_wire`` (the dict
+sglang's ``send_msg`` pickles) and, where the other side reads it back, its ``from_wire``:
+
+- the names: request types, reply statuses, the ``fetch_state`` field, the older daemon's text;
+- ``PendingMove`` and ``LayoutView`` (the ``layout`` field of ``attach`` and ``query``);
+- the requests an engine sends (``AttachRequest`` ... ``AbortRequest``, and ``FetchLayout``, the
+  field its loader adds to ``fetch_state``);
+- the replies: the daemon builds them with ``layout_reply``, ``ok_reply``, ``Committed`` and
+  ``refusal_reply``; the engine reads any of them with ``Reply.from_wire`` into one typed
+  ``Outcome``, so no caller matches status strings.
+
+No sglang, no torch, no I/O: the framing and the sockets belong to the callers.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from layout_ledger.layout import Map
+
+# --- names ------------------------------------------------------------------------------------
+
+ATTACH = "expert_layout_attach"
+QUERY = "expert_layout_query"
+BEGIN = "expert_layout_begin"
+COMMIT = "expert_layout_commit"
+ABORT = "expert_layout_abort"
+FETCH_STATE = "fetch_state"
+
+LAYOUT_REQUEST_TYPES = frozenset({ATTACH, QUERY, BEGIN, COMMIT, ABORT})
+
+OK = "ok"
+BUSY = "busy"
+REFUSED = "refused"
+NO_RECORD = "no_record"
+LAYOUT_REFUSED = "layout_refused"
+ERROR = "error"
+
+# Every status a daemon with this plugin answers other than ``ok``; each such reply has a reason.
+NOT_OK_STATUSES = frozenset({BUSY, REFUSED, NO_RECORD, LAYOUT_REFUSED, ERROR})
+
+# The optional field an engine adds to ``fetch_state``.
+FETCH_LAYOUT_FIELD = "expert_layout"
+
+# sglang 0.5.23's daemon answers a request type it does not know with
+# {"status": "error", "message": "Unknown request type: ..."}; an engine reads that reply to an
+# attach as "older daemon, keeps no record".
+UNKNOWN_REQUEST_PREFIX = "Unknown request type"
+
+
+class ProtocolViolation(Exception):
+    """A reply that does not have the shape docs/protocol.md gives it."""
+
+
+def is_digest(value: Any) -> bool:
+    """64 lowercase hex characters, the form of every digest on the wire."""
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+# --- the layout state -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PendingMove:
+    """A begun move: which engine, which layers, from which version.
+
+    ``since`` is when the daemon recorded the begin; the daemon and its ledger know it, the wire
+    does not carry it (a move read from the wire has ``since`` None).
+    """
+
+    engine_id: str
+    layers: tuple[int, ...]
+    base_version: int
+    since: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "layers": list(self.layers),
+            "base_version": self.base_version,
+        }
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> PendingMove | None:
+        """The ``pending`` field (None or a dict); raise ``ProtocolViolation``."""
+        if raw is None:
+            return None
+        if not isinstance(raw, Mapping):
+            raise ProtocolViolation(f"pending is a {type(raw).__name__}, not a dict or None")
+        engine_id, layers, base = raw.get("engine_id"), raw.get("layers"), raw.get("base_version")
+        if not isinstance(engine_id, str):
+            raise ProtocolViolation(f"pending engine_id {engine_id!r} is not a string")
+        if not isinstance(layers, list) or not all(type(layer) is int for layer in layers):
+            raise ProtocolViolation(f"pending layers {layers!r} is not a list of ints")
+        if type(base) is not int:
+            raise ProtocolViolation(f"pending base_version {base!r} is not an int")
+        return cls(engine_id, tuple(layers), base)
+
+
+@dataclass(frozen=True)
+class LayoutView:
+    """The ``layout`` field of an ``ok`` reply to attach and query (the layout state)."""
+
+    version: int
+    digest: str
+    physical_to_logical_map: Map
+    dirty: bool
+    dirty_reason: str | None
+    pending: PendingMove | None
+    attached: tuple[str, ...]
+    non_following_fetch: bool
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "digest": self.digest,
+            "physical_to_logical_map": [list(row) for row in self.physical_to_logical_map],
+            "dirty": self.dirty,
+            "dirty_reason": self.dirty_reason,
+            "pending": None if self.pending is None else self.pending.to_wire(),
+            "attached": list(self.attached),
+            "non_following_fetch": self.non_following_fetch,
+        }
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> LayoutView:
+        """Validate a wire ``layout`` dict; raise ``ProtocolViolation`` naming the bad field."""
+        if not isinstance(raw, Mapping):
+            raise ProtocolViolation(f"layout is a {type(raw).__name__}, not a dict")
+        version = raw.get("version")
+        if type(version) is not int or version < 0:
+            raise ProtocolViolation(f"version {version!r} is not a non-negative int")
+        digest = raw.get("digest")
+        if not is_digest(digest):
+            raise ProtocolViolation(f"digest {digest!r} is not 64 lowercase hex characters")
+        the_map = raw.get("physical_to_logical_map")
+        if not isinstance(the_map, list) or not all(
+            isinstance(row, list) and all(type(v) is int for v in row) for row in the_map
+        ):
+            raise ProtocolViolation("physical_to_logical_map is not a list of lists of ints")
+        dirty = raw.get("dirty")
+        if not isinstance(dirty, bool):
+            raise ProtocolViolation(f"dirty {dirty!r} is not a bool")
+        dirty_reason = raw.get("dirty_reason")
+        if dirty_reason is not None and not isinstance(dirty_reason, str):
+            raise ProtocolViolation(f"dirty_reason {dirty_reason!r} is not a string")
+        pending = PendingMove.from_wire(raw.get("pending"))
+        attached = raw.get("attached", [])
+        if not isinstance(attached, list) or not all(isinstance(e, str) for e in attached):
+            raise ProtocolViolation(f"attached {attached!r} is not a list of engine ids")
+        non_following = raw.get("non_following_fetch", False)
+        if not isinstance(non_following, bool):
+            raise ProtocolViolation(f"non_following_fetch {non_following!r} is not a bool")
+        return cls(
+            version=version,
+            digest=str(digest),
+            physical_to_logical_map=[list(row) for row in the_map],
+            dirty=dirty,
+            dirty_reason=dirty_reason,
+            pending=pending,
+            attached=tuple(attached),
+            non_following_fetch=non_following,
+        )
+
+
+# --- requests (engine -> daemon) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttachRequest:
+    engine_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": ATTACH, "engine_id": self.engine_id}
+
+
+@dataclass(frozen=True)
+class QueryRequest:
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": QUERY}
+
+
+@dataclass(frozen=True)
+class BeginRequest:
+    engine_id: str
+    base_version: int
+    layers: Sequence[int]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": BEGIN,
+            "engine_id": self.engine_id,
+            "base_version": int(self.base_version),
+            "layers": [int(layer) for layer in self.layers],
+        }
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """``rows``: the new row of exactly the pending layers, ``{layer: row}``."""
+
+    engine_id: str
+    rows: Mapping[int, Sequence[int]]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": COMMIT,
+            "engine_id": self.engine_id,
+            "rows": {int(layer): [int(v) for v in row] for layer, row in self.rows.items()},
+        }
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    engine_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": ABORT, "engine_id": self.engine_id}
+
+
+LayoutRequest = AttachRequest | QueryRequest | BeginRequest | CommitRequest | AbortRequest
+
+
+@dataclass(frozen=True)
+class FetchLayout:
+    """The ``expert_layout`` field of ``fetch_state``: the layout the engine routes with.
+
+    ``engine_id`` only when the engine is attached (None otherwise); the daemon compares the
+    digest, the version appears in messages only.
+    """
+
+    engine_id: str | None
+    version: int
+    digest: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"engine_id": self.engine_id, "version": self.version, "digest": self.digest}
+
+
+# --- replies (daemon -> engine) -----------------------------------------------------------------
+
+
+def ok_reply() -> dict[str, Any]:
+    """``ok`` with no fields (begin, abort)."""
+    return {"status": OK}
+
+
+def layout_reply(layout: LayoutView) -> dict[str, Any]:
+    """``ok`` + ``layout`` (attach, query)."""
+    return {"status": OK, "layout": layout.to_wire()}
+
+
+def refusal_reply(status: str, reason: str) -> dict[str, Any]:
+    """Any non-``ok`` reply: a status of ``NOT_OK_STATUSES`` and the reason that says what to do."""
+    if status not in NOT_OK_STATUSES:
+        raise ValueError(f"{status!r} is not a non-ok status of the expert layout protocol")
+    return {"status": status, "reason": reason}
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The ``ok`` reply to commit: the new version and the digest of the whole new map."""
+
+    version: int
+    digest: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"status": OK, "version": self.version, "digest": self.digest}
+
+    @classmethod
+    def from_wire(cls, raw: Mapping[str, Any]) -> Committed:
+        """Raise ``ProtocolViolation`` unless ``version`` is an int and ``digest`` a digest."""
+        version, digest = raw.get("version"), raw.get("digest")
+        if type(version) is not int or not is_digest(digest):
+            raise ProtocolViolation(f"no valid version and digest in {dict(raw)!r}")
+        return cls(version, str(digest))
+
+
+class Outcome(enum.Enum):
+    """What one request came to, as the engine reads it.
+
+    The daemon's own statuses (``OK``, ``NO_RECORD``, ``BUSY``, ``REFUSED``); ``OLDER_DAEMON``:
+    the daemon answered ``error`` with "Unknown request type" (sglang without the plugin: no
+    record); ``ERROR``: any other ``error``, or a reply that breaks the protocol; and two the
+    engine's socket layer finds without a reply: ``NO_DAEMON`` (no socket file) and
+    ``UNREACHABLE`` (the daemon could not be read).
+    """
+
+    OK = "ok"
+    NO_RECORD = "no_record"
+    BUSY = "busy"
+    REFUSED = "refused"
+    OLDER_DAEMON = "older_daemon"
+    ERROR = "error"
+    NO_DAEMON = "no_daemon"
+    UNREACHABLE = "unreachable"
+
+
+_STATUS_OUTCOMES = {
+    OK: Outcome.OK,
+    NO_RECORD: Outcome.NO_RECORD,
+    BUSY: Outcome.BUSY,
+    REFUSED: Outcome.REFUSED,
+}
+
+# What of an ok reply's body the ranks all-gather (``Reply.trimmed``).
+_KEPT_BODY_FIELDS = ("version", "digest")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One request's result. ``reason`` is the daemon's reason or the local failure.
+
+    ``body`` is the reply dict as received; ``layout`` its typed ``layout`` field, if any.
+    """
+
+    outcome: Outcome
+    reason: str | None = None
+    body: Mapping[str, Any] = field(default_factory=dict)
+    layout: LayoutView | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+    def trimmed(self) -> Reply:
+        """The outcome and reason, and of an ``ok`` body only ``version`` and ``digest``.
+
+        Small and plain enough to all-gather between ranks.
+        """
+        body = (
+            {key: self.body[key] for key in _KEPT_BODY_FIELDS if key in self.body}
+            if self.ok
+            else {}
+        )
+        return Reply(self.outcome, self.reason, body)
+
+    @classmethod
+    def from_wire(cls, raw: Any, *, request_type: str, peer: str) -> Reply:
+        """Read the daemon's reply to ``request_type``; ``peer`` names the daemon in reasons.
+
+        Never raises: a reply that breaks the protocol is an ``ERROR`` outcome with the reason.
+        """
+        if not isinstance(raw, Mapping):
+            return cls(
+                Outcome.ERROR,
+                f"the daemon at {peer} answered {request_type} with a "
+                f"{type(raw).__name__}, not a dict",
+            )
+        status = raw.get("status")
+        # The older daemon puts its text in "message"; this protocol's replies use "reason".
+        text = raw.get("reason") or raw.get("message")
+        reason = None if text is None else str(text)
+        if status == ERROR and (reason or "").startswith(UNKNOWN_REQUEST_PREFIX):
+            return cls(Outcome.OLDER_DAEMON, reason, raw)
+        outcome = _STATUS_OUTCOMES.get(status) if isinstance(status, str) else None
+        if outcome is None:
+            return cls(
+                Outcome.ERROR,
+                f"the daemon at {peer} answered {request_type} with status {status!r}"
+                + (f": {reason}" if reason else ""),
+                raw,
+            )
+        if outcome is not Outcome.OK:
+            return cls(outcome, reason, raw)
+        return cls._read_ok(raw, reason, request_type=request_type, peer=peer)
+
+    @classmethod
+    def _read_ok(
+        cls, raw: Mapping[str, Any], reason: str | None, *, request_type: str, peer: str
+    ) -> Reply:
+        """An ``ok`` reply: attach and query carry a valid layout, commit a version and digest."""
+        layout = None
+        if "layout" in raw:
+            try:
+                layout = LayoutView.from_wire(raw["layout"])
+            except ProtocolViolation as exc:
+                return cls(
+                    Outcome.ERROR,
+                    f"the daemon at {peer} sent a malformed layout in reply to "
+                    f"{request_type}: {exc}",
+                    raw,
+                )
+        elif request_type in (ATTACH, QUERY):
+            return cls(
+                Outcome.ERROR,
+                f"the daemon at {peer} answered {request_type} ok without a layout",
+                raw,
+            )
+        if request_type == COMMIT:
+            try:
+                Committed.from_wire(raw)
+            except ProtocolViolation:
+                return cls(
+                    Outcome.ERROR,
+                    f"the daemon at {peer} acknowledged the commit without a valid "
+                    f"version and digest: {dict(raw)!r}",
+                    raw,
+                )
+        return cls(Outcome.OK, reason, raw, layout)
