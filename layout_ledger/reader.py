@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError
 from layout_ledger import events as ev
 from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.layout import Geometry, Map
+from layout_ledger.sql import in_list
 from layout_ledger.state import DirtyMark, LayoutState, PendingMove
 
 
@@ -154,12 +155,11 @@ def map_at(conn: Connection, inc: Incarnation, version: int | None = None) -> Ma
 
 
 def _last_event(conn: Connection, incarnation_id: int, kinds: tuple[str, ...]) -> Any:
-    marks = ", ".join(f":k{n}" for n in range(len(kinds)))
-    params: dict[str, Any] = {"i": incarnation_id}
-    params.update({f"k{n}": kind for n, kind in enumerate(kinds)})
+    marks, params = in_list("k", kinds)
+    params["i"] = incarnation_id
     return conn.execute(
         text(
-            f"SELECT * FROM events WHERE incarnation_id = :i AND kind IN ({marks}) "
+            f"SELECT * FROM events WHERE incarnation_id = :i AND kind IN {marks} "
             f"ORDER BY event_id DESC LIMIT 1"
         ),
         params,
