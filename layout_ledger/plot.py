@@ -20,6 +20,7 @@ from layout_ledger.errors import LedgerError
 from layout_ledger.json_shape import JsonShaped
 from layout_ledger.reader import LedgerReader
 from layout_ledger.report import HeldMap, check_ep_size, held_map, write_atomically
+from layout_ledger.terminal import printable
 from layout_ledger.version_walk import walk_versions
 
 DPI = 100
@@ -128,9 +129,13 @@ def _draw_map(matplotlib: Any, figure: Any, axes: Any, held: HeldMap, ep_size: i
     axes.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes.set_xlabel("physical slot")
     axes.set_ylabel("layer")
+    # The digest is ledger text: escaped, so a warning about a glyph cannot carry a control
+    # character to the terminal either.
     axes.set_title(
-        f"incarnation {held.incarnation.incarnation_id}, version {held.version} "
-        f"(digest {held.digest[:12]})"
+        printable(
+            f"incarnation {held.incarnation.incarnation_id}, version {held.version} "
+            f"(digest {held.digest[:12]})"
+        )
     )
     local = geometry.num_physical_slots // ep_size
     for rank in range(1, ep_size):

@@ -59,7 +59,7 @@ def test_a_single_layer_beyond_the_ledger_is_named_in_history_too(clean, capsys)
 def test_the_layers_argument_keeps_ranges_unexpanded_until_the_geometry_is_known():
     args = cli.parse(["history", "L", "--layers", "3,0-100000000,5-7"])
     assert args.layers.ranges == ((0, 100000000), (3, 3), (5, 7))
-    with pytest.raises(LedgerError, match="^layers 10-100000000 do not exist: "):
+    with pytest.raises(LedgerError, match=r"^layers 10-100000000 do not exist: "):
         args.layers.expand(10)
     assert cli.parse(["show", "L", "--layers", "5-7,3,0-1,6"]).layers.expand(10) == (
         0,

@@ -8,6 +8,7 @@ ledger here is a real one (tests/cli_ledgers.py) changed afterwards with plain `
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -64,10 +65,13 @@ def test_no_command_writes_a_control_character_taken_from_a_ledger_to_the_termin
 ):
     path = forge(build(kind, tmp_path / "l.sqlite"), digests=digests)
     argv = [command, str(path)] + [a.format(tmp=tmp_path) for a in ARGUMENTS[command]]
-    code, out, err = run_cli(capsys, *argv)
+    with warnings.catch_warnings(record=True) as caught:  # a warning is printed on stderr too
+        warnings.simplefilter("always")
+        code, out, err = run_cli(capsys, *argv)
     assert code != 0 or out, err
     assert _terminal_safe(out), out
     assert _terminal_safe(err), err
+    assert all(_terminal_safe(str(warning.message)) for warning in caught), caught
     assert err.count("\n") <= 1
     assert not any(line.startswith("state: clean") for line in (out + err).splitlines())
 
@@ -124,3 +128,13 @@ def test_json_output_keeps_the_ledger_text_exact(tmp_path, capsys):
     status = json.loads(out)
     assert status["attached"] == [EVIL_ENGINE]
     assert status["daemon_label"] == "test-daemon\x1b]0;owned\x07"
+
+
+def test_csv_rows_escape_ledger_text_and_nl_rows_keep_it_exact(tmp_path, capsys):
+    path = forge(build("clean", tmp_path / "l.sqlite"), digests=False)
+    _, out, _ = run_cli(capsys, "history", str(path), "--engine", "engine-a", "--csv")
+    assert _terminal_safe(out.replace("\r\n", "\n"))
+    assert f",{EVIL_ENGINE_SHOWN}," in out
+    _, out, _ = run_cli(capsys, "history", str(path), "--engine", "engine-a", "--nl")
+    assert _terminal_safe(out)
+    assert {json.loads(line)["engine_id"] for line in out.splitlines()} == {EVIL_ENGINE}
