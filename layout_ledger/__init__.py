@@ -5,3 +5,7 @@ never import sglang or torch, so this package imports nothing at module level be
 standard library. Import the submodules you need (``layout_ledger.ledger``,
 ``layout_ledger.service``, ...).
 """
+
+# The distribution's version (setup.cfg); `layout-ledger --version` prints the installed
+# distribution's and falls back to this one when the package runs uninstalled.
+__version__ = "0.1.0"

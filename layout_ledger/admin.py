@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from sqlalchemy.exc import DBAPIError
 
 from layout_ledger import reader
 from layout_ledger.errors import LedgerFileError, LedgerStorageError, SchemaOutdated
+from layout_ledger.json_shape import JsonShaped
 from layout_ledger.ledger import Ledger
 from layout_ledger.migrate import file_revision, upgrade_to_head
 from layout_ledger.reader import LedgerReader
-from layout_ledger.report import JsonObject
 from layout_ledger.schema import SCHEMA_HEAD
 from layout_ledger.storage import open_writer
 
@@ -33,23 +34,17 @@ def _require_existing(path: Path) -> None:
 
 
 @dataclass(frozen=True)
-class PrunedIncarnation:
+class PrunedIncarnation(JsonShaped):
     incarnation_id: int
     rows_removed: int
     reconstructible_from: int
     current_version: int
 
-    def to_json(self) -> JsonObject:
-        return {
-            "incarnation_id": self.incarnation_id,
-            "rows_removed": self.rows_removed,
-            "reconstructible_from": self.reconstructible_from,
-            "current_version": self.current_version,
-        }
-
 
 @dataclass(frozen=True)
-class PruneResult:
+class PruneResult(JsonShaped):
+    json_properties: ClassVar[tuple[str, ...]] = ("rows_removed",)
+
     path: str
     keep: int
     incarnations: tuple[PrunedIncarnation, ...]
@@ -57,14 +52,6 @@ class PruneResult:
     @property
     def rows_removed(self) -> int:
         return sum(inc.rows_removed for inc in self.incarnations)
-
-    def to_json(self) -> JsonObject:
-        return {
-            "path": self.path,
-            "keep": self.keep,
-            "rows_removed": self.rows_removed,
-            "incarnations": [inc.to_json() for inc in self.incarnations],
-        }
 
 
 def prune_ledger(path: str | Path, keep: int, incarnation_id: int | None = None) -> PruneResult:
@@ -100,9 +87,9 @@ def prune_ledger(path: str | Path, keep: int, incarnation_id: int | None = None)
     return PruneResult(str(path), keep, pruned)
 
 
-def render_prune(result: PruneResult) -> str:
+def render_prune(result: PruneResult) -> list[str]:
     if not result.incarnations:
-        return "the ledger holds no incarnation; nothing to prune"
+        return ["the ledger holds no incarnation; nothing to prune"]
     lines = []
     for inc in result.incarnations:
         held = f"holds versions {inc.reconstructible_from}..{inc.current_version}"
@@ -114,14 +101,16 @@ def render_prune(result: PruneResult) -> str:
         else:
             lines.append(f"incarnation {inc.incarnation_id}: nothing to remove; {held}")
     lines.append(f"removed {result.rows_removed} layout rows in all (every event kept)")
-    return "\n".join(lines)
+    return lines
 
 
 # --- upgrade ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class UpgradeResult:
+class UpgradeResult(JsonShaped):
+    json_properties: ClassVar[tuple[str, ...]] = ("upgraded",)
+
     path: str
     from_revision: str
     to_revision: str
@@ -129,14 +118,6 @@ class UpgradeResult:
     @property
     def upgraded(self) -> bool:
         return self.from_revision != self.to_revision
-
-    def to_json(self) -> JsonObject:
-        return {
-            "path": self.path,
-            "from_revision": self.from_revision,
-            "to_revision": self.to_revision,
-            "upgraded": self.upgraded,
-        }
 
 
 def upgrade_ledger(path: str | Path) -> UpgradeResult:
@@ -149,10 +130,13 @@ def upgrade_ledger(path: str | Path) -> UpgradeResult:
     try:
         LedgerReader(path).close()
     except SchemaOutdated:
-        pass
+        at_head = False
     else:
-        return UpgradeResult(str(path), SCHEMA_HEAD, SCHEMA_HEAD)
+        at_head = True
+    # A writing command fails while a daemon owns the file, even with nothing to do.
     with open_writer(path, create=False) as writer:
+        if at_head:
+            return UpgradeResult(str(path), SCHEMA_HEAD, SCHEMA_HEAD)
         conn = writer.connection
         try:
             revision = file_revision(conn)
@@ -168,10 +152,10 @@ def upgrade_ledger(path: str | Path) -> UpgradeResult:
     return UpgradeResult(str(path), revision, SCHEMA_HEAD)
 
 
-def render_upgrade(result: UpgradeResult) -> str:
+def render_upgrade(result: UpgradeResult) -> list[str]:
     if result.upgraded:
-        return (
+        return [
             f"upgraded ledger {result.path} from schema {result.from_revision} to "
             f"{result.to_revision}"
-        )
-    return f"ledger {result.path} is already at schema {result.to_revision}; nothing to do"
+        ]
+    return [f"ledger {result.path} is already at schema {result.to_revision}; nothing to do"]

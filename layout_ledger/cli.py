@@ -1,9 +1,12 @@
 """``layout-ledger``: the operator's command line over an expert layout ledger.
 
 Each verb is a thin wrapper: parse arguments, call one typed function of ``report``, ``verify``,
-``plot`` or ``admin``, print its human text or its ``--json`` object (sort_keys), return
-the exit code (``layout_ledger.exit_codes``). A ``LedgerError`` becomes one line on stderr and a
-non-zero exit, never a traceback; so does a bad argument. Read commands open the ledger
+``plot`` or ``admin``, print its human lines or its ``--json`` object (sort_keys), return
+the exit code (``layout_ledger.exit_codes``). Commands that list rows (``history``, ``diff``)
+also print them as ``--nl`` or ``--csv`` (``layout_ledger.row_formats``). A ``LedgerError``
+becomes one line on stderr and a non-zero exit, never a traceback; so does a bad argument.
+Whatever a ledger holds reaches the terminal through ``terminal.printable``: every human line
+and every error line is escaped here, in ``_emit`` and ``_error``. Read commands open the ledger
 read-only and work while its daemon writes. No verb imports sglang or torch except
 ``export --check``, which loads ``layout_ledger.sglang_export_check`` when asked to.
 """
@@ -12,16 +15,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import NoReturn
 
 from sqlalchemy.exc import SQLAlchemyError
 
+import layout_ledger
 from layout_ledger import admin, exit_codes, report
 from layout_ledger.errors import (
     LedgerError,
@@ -30,15 +36,33 @@ from layout_ledger.errors import (
     SchemaOutdated,
     SchemaTooNew,
 )
+from layout_ledger.json_shape import JsonObject
+from layout_ledger.layer_ranges import LayerRanges
+from layout_ledger.layout import Map
 from layout_ledger.reader import LedgerReader
+from layout_ledger.row_formats import write_rows
+from layout_ledger.terminal import PrintableFormatter, printable
 
 PROG = "layout-ledger"
+DISTRIBUTION = "sglang-expert-layout-ledger"
 
 # Errors that mean "this file is no usable ledger (for this code)"; every other LedgerError
 # means the command could not do what was asked.
 UNUSABLE_ERRORS = (LedgerFileError, LedgerStorageError, SchemaOutdated, SchemaTooNew)
 
+# SQLite integers are signed 64-bit: a larger number can name no version or incarnation.
+_LARGEST = 2**63 - 1
+
 Handler = Callable[[argparse.Namespace], int]
+OptionAdder = Callable[[argparse.ArgumentParser], None]
+
+
+def tool_version() -> str:
+    """This tool's version: the installed distribution's, else the package's own."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return layout_ledger.__version__
 
 
 class UsageError(Exception):
@@ -55,46 +79,53 @@ class _Parser(argparse.ArgumentParser):
 # --- argument types -----------------------------------------------------------------------
 
 
-def _non_negative(value: str) -> int:
+def _whole_number(value: str, lowest: int) -> int:
     try:
         number = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {number}")
+    if number < lowest:
+        raise argparse.ArgumentTypeError(f"expected a number >= {lowest}, got {number}")
+    if number > _LARGEST:
+        raise argparse.ArgumentTypeError(f"expected a number <= {_LARGEST}, got {number}")
     return number
+
+
+def _non_negative(value: str) -> int:
+    return _whole_number(value, 0)
 
 
 def _positive(value: str) -> int:
-    number = _non_negative(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {number}")
-    return number
+    return _whole_number(value, 1)
 
 
-def _layers_spec(value: str) -> tuple[int, ...]:
-    """``0,3,5-7`` -> (0, 3, 5, 6, 7): sorted, without duplicates."""
-    layers: set[int] = set()
-    for raw in value.split(","):
-        part = raw.strip()
-        first, dash, last = part.partition("-")
-        try:
-            low = int(first)
-            high = int(last) if dash else low
-        except ValueError:
+def _layers_spec(value: str) -> LayerRanges:
+    """``0,3,5-7``, kept as ranges: expanded only once the ledger's layer count is known."""
+    try:
+        return LayerRanges.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kinds(value: str) -> list[str]:
+    """``commit,dirty``: event kinds, each one the ledger writes."""
+    kinds = [part.strip() for part in value.split(",")]
+    for kind in kinds:
+        if kind not in report.EVENT_KINDS:
             raise argparse.ArgumentTypeError(
-                f"expected layers like 0,3,5-7, got {value!r}"
-            ) from None
-        if low < 0 or high < low:
-            raise argparse.ArgumentTypeError(f"bad layer range {part!r} in {value!r}")
-        layers.update(range(low, high + 1))
-    return tuple(sorted(layers))
+                f"invalid choice: {kind!r} (choose from {', '.join(report.EVENT_KINDS)})"
+            )
+    return kinds
 
 
 def _timestamp(value: str) -> str:
-    """An ISO-8601 time (no zone = UTC) as the ledger writes times, so text order is time order."""
+    """An ISO-8601 time (no zone = UTC) as the ledger writes times, so text order is time order.
+    A trailing ``Z`` means UTC on every Python (``fromisoformat`` takes it only from 3.11)."""
+    spelled = value.strip()
+    if spelled[-1:] in ("Z", "z"):
+        spelled = spelled[:-1] + "+00:00"
     try:
-        moment = datetime.datetime.fromisoformat(value)
+        moment = datetime.datetime.fromisoformat(spelled)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected an ISO-8601 time like 2026-11-29T13:00:00Z, got {value!r}"
@@ -118,17 +149,33 @@ def _pixels(value: str) -> tuple[int, int]:
 
 # --- output -------------------------------------------------------------------------------
 
+Rows = tuple[Sequence[str], Sequence[JsonObject]]
 
-def _emit(args: argparse.Namespace, payload: dict[str, Any], human: str) -> None:
+
+def _emit(
+    args: argparse.Namespace,
+    payload: JsonObject,
+    lines: Sequence[str],
+    rows: Rows | None = None,
+) -> None:
+    """The command's result on stdout: ``--json``, ``--nl``/``--csv`` rows, or human lines
+    (each through ``printable``: a ledger's text never drives the terminal)."""
+    form = getattr(args, "rows", None)
     if args.json:
         sys.stdout.write(json.dumps(payload, sort_keys=True, indent=2) + "\n")
+    elif form is not None:
+        if rows is None:
+            raise ValueError(f"{args.command} has no rows to print as {form}")
+        write_rows(sys.stdout, form, *rows)
     else:
-        sys.stdout.write(human + "\n")
+        sys.stdout.write("".join(printable(line) + "\n" for line in lines))
 
 
 def _error(command: str | None, message: str) -> None:
+    """One line on stderr: whitespace (line breaks included) runs become one space, every
+    other control character a visible escape."""
     prefix = PROG if command is None else f"{PROG} {command}"
-    one_line = " ".join(message.split())
+    one_line = printable(" ".join(message.split()))
     sys.stderr.write(f"{prefix}: error: {one_line}\n")
 
 
@@ -152,18 +199,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    wanted = report.HistoryFilter(
+    wanted = report.HistoryRequest(
         incarnation_id=args.incarnation,
-        engine_id=args.engine,
-        layers=args.layers or (),
-        kinds=tuple(args.kind or ()),
+        engine=args.engine,
+        layers=args.layers,
+        kinds=tuple(dict.fromkeys(args.kind or ())),
         since=args.since,
         until=args.until,
         last=args.last,
     )
     with _reading(args) as ledger:
         collected = report.collect_history(ledger, wanted)
-    _emit(args, collected.to_json(), report.render_history(collected))
+    rows = (report.EVENT_COLUMNS, report.history_rows(collected))
+    _emit(args, collected.to_json(), report.render_history(collected), rows)
     return exit_codes.OK
 
 
@@ -189,32 +237,52 @@ def cmd_diff(args: argparse.Namespace) -> int:
             incarnation_id=args.incarnation,
             layers=args.layers,
         )
-    _emit(args, collected.to_json(), report.render_diff(collected, slots=args.slots))
+    lines = report.render_diff(collected, slots=args.slots)
+    _emit(args, collected.to_json(), lines, (report.DIFF_COLUMNS, collected.slot_rows()))
     return exit_codes.OK
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     with _reading(args) as ledger:
-        exported, the_map = report.export_map(
+        exported, the_map = report.read_export(
             ledger, args.output, incarnation_id=args.incarnation, version=args.version
         )
-    payload = exported.to_json()
-    human = report.render_export(exported)
-    payload["check"] = None
-    code = exit_codes.OK
     if args.check:
-        from layout_ledger import sglang_export_check
+        return _export_checked(args, exported, the_map)
+    exported = report.write_export(exported, the_map)
+    _emit(args, {**exported.to_json(), "check": None}, report.render_export(exported))
+    return exit_codes.OK
 
-        check = sglang_export_check.check_export(
-            args.output, args.model_path, the_map, exported.geometry, ep_size=args.ep_size
+
+def _export_checked(args: argparse.Namespace, exported: report.ExportReport, the_map: Map) -> int:
+    """``export --check``: the file becomes the output only once sglang loaded it and found the
+    ledger's map; on any failure nothing is written (an earlier file stays as it was)."""
+    from layout_ledger import sglang_export_check as sglang_check
+
+    sglang_check.check_inputs(args.model_path, exported.geometry, args.ep_size)
+    checks: list[sglang_check.ExportCheck] = []
+
+    def accept(temporary: Path) -> bool:
+        check = sglang_check.check_export(
+            temporary,
+            args.model_path,
+            the_map,
+            exported.geometry,
+            ep_size=args.ep_size,
+            shown_as=args.output,
         )
-        payload["check"] = check.to_json()
-        human += f"\ncheck with sglang: {'ok' if check.equal else 'FAILED'}: {check.detail}"
-        if not check.equal:
-            code = exit_codes.INCONSISTENT
-            _error("export", f"check failed: {check.detail}")
-    _emit(args, payload, human)
-    return code
+        checks.append(check)
+        return check.equal
+
+    exported = report.write_export(exported, the_map, accept)
+    (check,) = checks
+    lines = report.render_export(exported)
+    lines.append(f"check with sglang: {'ok' if check.equal else 'FAILED'}: {check.detail}")
+    _emit(args, {**exported.to_json(), "check": check.to_json()}, lines)
+    if check.equal:
+        return exit_codes.OK
+    _error("export", f"check failed: {check.detail}")
+    return exit_codes.INCONSISTENT
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -260,33 +328,58 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
     return exit_codes.OK
 
 
-# --- the parser ---------------------------------------------------------------------------
-
-
-def _options(*adders: Callable[[argparse.ArgumentParser], None]) -> _Parser:
-    """A parent parser holding options that several verbs share (each defined once)."""
-    parent = _Parser(add_help=False)
-    for add in adders:
-        add(parent)
-    return parent
+# --- options several verbs share (each defined once) ----------------------------------------
 
 
 def _ledger(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ledger", metavar="LEDGER", help="path of the ledger file")
 
 
-def _json(parser: argparse.ArgumentParser) -> None:
+def _add_json(parser: argparse._ActionsContainer) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object (stable keys, sorted)"
     )
 
 
-def _incarnation(parser: argparse.ArgumentParser) -> None:
+def _json(parser: argparse.ArgumentParser) -> None:
+    _add_json(parser)
+
+
+def _json_or_rows(parser: argparse.ArgumentParser) -> None:
+    """The output forms of a command that lists rows: one of --json, --nl, --csv."""
+    forms = parser.add_mutually_exclusive_group()
+    _add_json(forms)
+    forms.add_argument(
+        "--nl",
+        dest="rows",
+        action="store_const",
+        const="nl",
+        help="print one JSON object per row, one per line (newline-delimited JSON)",
+    )
+    forms.add_argument(
+        "--csv",
+        dest="rows",
+        action="store_const",
+        const="csv",
+        help="print CSV: a header line, then one line per row",
+    )
+
+
+def _incarnation_latest(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--incarnation",
         type=_positive,
         metavar="N",
         help="the daemon incarnation (default: the latest)",
+    )
+
+
+def _incarnation_all(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--incarnation",
+        type=_positive,
+        metavar="N",
+        help="only this daemon incarnation (default: all incarnations)",
     )
 
 
@@ -311,13 +404,93 @@ def _ep_size(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=1,
         metavar="N",
-        help="the engines' EP size: slots are grouped per EP rank (default: 1)",
+        help="the engines' EP size: slots are grouped per EP rank; it must divide the physical "
+        "slots per layer (default: 1)",
     )
+
+
+SHARED_OPTIONS: dict[str, OptionAdder] = {
+    "ledger": _ledger,
+    "json": _json,
+    "rows": _json_or_rows,
+    "incarnation": _incarnation_latest,
+    "incarnations": _incarnation_all,
+    "version": _version,
+    "layers": _layers,
+    "ep_size": _ep_size,
+}
 
 
 def _output(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("-o", "--output", required=True, metavar="FILE", help=what)
 
+
+# --- each verb's own options ----------------------------------------------------------------
+
+
+def _history_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        metavar="ID",
+        help="only events of this engine_id, or of the one engine_id it begins",
+    )
+    parser.add_argument(
+        "--kind",
+        action="extend",
+        type=_kinds,
+        metavar="KIND[,KIND...]",
+        help=f"only events of these kinds (repeatable): {', '.join(report.EVENT_KINDS)}",
+    )
+    parser.add_argument("--since", type=_timestamp, metavar="TIME", help="events at or after")
+    parser.add_argument("--until", type=_timestamp, metavar="TIME", help="events before")
+    parser.add_argument("--last", type=_positive, metavar="N", help="only the last N events")
+
+
+def _diff_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("from_version", type=_non_negative, metavar="V1", help="the version before")
+    parser.add_argument("to_version", type=_non_negative, metavar="V2", help="the version after")
+    parser.add_argument("--slots", action="store_true", help="also list every changed slot")
+
+
+def _export_options(parser: argparse.ArgumentParser) -> None:
+    _output(parser, "the JSON file to write (its name must end in .json)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="load the file through sglang's compute_initial_expert_location_metadata "
+        "(imports sglang) and confirm its map equals the ledger's; nothing is written unless "
+        "it does",
+    )
+    parser.add_argument(
+        "--model-path", metavar="DIR", help="the model directory (config.json) for --check"
+    )
+
+
+def _plot_options(parser: argparse.ArgumentParser) -> None:
+    _output(parser, "the picture to write: FILE.png, FILE.svg or FILE.pdf")
+    parser.add_argument(
+        "--moves", action="store_true", help="add the slots each commit moved, over time"
+    )
+    parser.add_argument(
+        "--size",
+        type=_pixels,
+        default=(1200, 800),
+        metavar="WxH",
+        help="picture size in pixels (default: 1200x800)",
+    )
+
+
+def _prune_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--keep",
+        type=_positive,
+        required=True,
+        metavar="N",
+        help="keep the rows of the last N versions of each incarnation",
+    )
+
+
+# --- the parser ---------------------------------------------------------------------------
 
 COMMANDS: dict[str, tuple[str, Handler]] = {
     "status": (
@@ -329,12 +502,28 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
     "diff": ("the slots that changed between two versions", cmd_diff),
     "export": ("write a map as a file that --init-expert-location accepts", cmd_export),
     "verify": ("integrity check, digests, version chain, events against rows", cmd_verify),
-    "plot": ("draw the map (and with --moves the moves over time) as a PNG", cmd_plot),
+    "plot": (
+        "draw the map (and with --moves the moves over time) as a PNG, SVG or PDF",
+        cmd_plot,
+    ),
     "prune": ("remove layout rows of old versions (keeps the current map and events)", cmd_prune),
     "upgrade": (
         "upgrade an older ledger's schema to this code's (refuses a newer one)",
         cmd_upgrade,
     ),
+}
+
+# Each verb: the shared options it takes (after LEDGER, in this order), then its own.
+VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
+    "status": (("json", "incarnation"), None),
+    "history": (("rows", "incarnations", "layers"), _history_options),
+    "show": (("json", "incarnation", "version", "layers", "ep_size"), None),
+    "diff": (("rows", "incarnation", "layers"), _diff_options),
+    "export": (("json", "incarnation", "version", "ep_size"), _export_options),
+    "verify": (("json",), None),
+    "plot": (("json", "incarnation", "version", "ep_size"), _plot_options),
+    "prune": (("json", "incarnations"), _prune_options),
+    "upgrade": (("json",), None),
 }
 
 EPILOG = (
@@ -344,92 +533,43 @@ EPILOG = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = _options(_ledger, _json)
-    incarnation = _options(_incarnation)
-    version = _options(_version)
-    layers = _options(_layers)
-    ep_size = _options(_ep_size)
+def _shared_parents() -> dict[str, _Parser]:
+    """One parent parser per shared option, so each is defined once for every verb."""
+    parents = {}
+    for name, add in SHARED_OPTIONS.items():
+        parent = _Parser(add_help=False)
+        add(parent)
+        parents[name] = parent
+    return parents
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="Read, check and maintain an expert layout ledger of SGLang's weight cache "
         "daemon. Read commands open the ledger read-only and work while the daemon writes.",
         epilog=EPILOG,
     )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{PROG} {tool_version()}",
+        help="print this tool's version and exit",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    def add(name: str, *parents: _Parser) -> _Parser:
-        summary, handler = COMMANDS[name]
+    parents = _shared_parents()
+    for name, (summary, handler) in COMMANDS.items():
+        shared, own = VERB_OPTIONS[name]
         command = sub.add_parser(
             name,
-            parents=[common, *parents],
+            parents=[parents["ledger"], *(parents[option] for option in shared)],
             help=summary,
             description=summary[0].upper() + summary[1:] + ".",
             epilog=EPILOG,
         )
+        if own is not None:
+            own(command)
         command.set_defaults(handler=handler)
-        return command
-
-    add("status", incarnation)
-
-    history = add("history", incarnation, layers)
-    history.add_argument("--engine", metavar="ID", help="only events of this engine_id")
-    history.add_argument(
-        "--kind",
-        action="append",
-        choices=report.EVENT_KINDS,
-        metavar="KIND",
-        help=f"only events of this kind (repeatable): {', '.join(report.EVENT_KINDS)}",
-    )
-    history.add_argument("--since", type=_timestamp, metavar="TIME", help="events at or after")
-    history.add_argument("--until", type=_timestamp, metavar="TIME", help="events before")
-    history.add_argument("--last", type=_positive, metavar="N", help="only the last N events")
-
-    add("show", incarnation, version, layers, ep_size)
-
-    diff = add("diff", incarnation, layers)
-    diff.add_argument("from_version", type=_non_negative, metavar="V1", help="the version before")
-    diff.add_argument("to_version", type=_non_negative, metavar="V2", help="the version after")
-    diff.add_argument("--slots", action="store_true", help="also list every changed slot")
-
-    export = add("export", incarnation, version, ep_size)
-    _output(export, "the JSON file to write (its name must end in .json)")
-    export.add_argument(
-        "--check",
-        action="store_true",
-        help="load the file through sglang's compute_initial_expert_location_metadata "
-        "(imports sglang) and confirm its map equals the ledger's",
-    )
-    export.add_argument(
-        "--model-path", metavar="DIR", help="the model directory (config.json) for --check"
-    )
-
-    add("verify")
-
-    plot = add("plot", incarnation, version, ep_size)
-    _output(plot, "the PNG file to write")
-    plot.add_argument(
-        "--moves", action="store_true", help="add the slots each commit moved, over time"
-    )
-    plot.add_argument(
-        "--size",
-        type=_pixels,
-        default=(1200, 800),
-        metavar="WxH",
-        help="picture size in pixels (default: 1200x800)",
-    )
-
-    prune = add("prune", incarnation)
-    prune.add_argument(
-        "--keep",
-        type=_positive,
-        required=True,
-        metavar="N",
-        help="keep the rows of the last N versions of each incarnation",
-    )
-
-    add("upgrade")
     return parser
 
 
@@ -441,14 +581,20 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _configure_logging() -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter(f"{PROG}: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(levelname)s: %(message)s")
+    _configure_logging()
     try:
         args = parse(argv)
     except UsageError as exc:
-        sys.stderr.write(f"{exc}\n")
+        sys.stderr.write(f"{printable(str(exc))}\n")
         return exit_codes.UNUSABLE
-    except SystemExit as exc:  # --help
+    except SystemExit as exc:  # --help, --version
         return int(exc.code or 0)
     handler: Handler = args.handler
     try:

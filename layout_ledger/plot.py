@@ -1,5 +1,7 @@
 """``layout-ledger plot``: the layout as a picture (matplotlib, Agg, imported only here, lazily).
 
+The output's suffix names the format: ``.png``, ``.svg`` or ``.pdf`` (any other is refused).
+
 The top panel is the map at one version as a layers x physical-slots heatmap coloured by
 logical expert, with a line at every EP-rank boundary (``--ep-size``). With ``moves``, a second
 panel shows how many slots each held commit moved, over time. matplotlib is an optional extra
@@ -15,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from layout_ledger.errors import LedgerError
+from layout_ledger.json_shape import JsonShaped
 from layout_ledger.reader import LedgerReader
-from layout_ledger.report import HeldMap, JsonObject, held_map, write_atomically
+from layout_ledger.report import HeldMap, check_ep_size, held_map, write_atomically
+from layout_ledger.terminal import printable
 from layout_ledger.version_walk import walk_versions
 
 DPI = 100
@@ -26,26 +30,20 @@ MIN_PIXELS = 200
 MAX_PIXELS = 10000
 # Cells get their expert id written in them while the map is this small.
 ANNOTATE_MAX_CELLS = 600
+# The pictures matplotlib's Agg canvas writes, by the output's suffix (lower case).
+PICTURE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 
 
 @dataclass(frozen=True)
-class CommitMove:
+class CommitMove(JsonShaped):
     version: int
     at: str
     engine_id: str | None
     moved_slots: int
 
-    def to_json(self) -> JsonObject:
-        return {
-            "version": self.version,
-            "at": self.at,
-            "engine_id": self.engine_id,
-            "moved_slots": self.moved_slots,
-        }
-
 
 @dataclass(frozen=True)
-class PlotReport:
+class PlotReport(JsonShaped):
     path: str
     output: str
     incarnation_id: int
@@ -56,21 +54,8 @@ class PlotReport:
     height: int
     moves: tuple[CommitMove, ...] | None
 
-    def to_json(self) -> JsonObject:
-        return {
-            "path": self.path,
-            "output": self.output,
-            "incarnation_id": self.incarnation_id,
-            "version": self.version,
-            "digest": self.digest,
-            "ep_size": self.ep_size,
-            "width": self.width,
-            "height": self.height,
-            "moves": None if self.moves is None else [move.to_json() for move in self.moves],
-        }
 
-
-def render_plot(report: PlotReport) -> str:
+def render_plot(report: PlotReport) -> list[str]:
     text = (
         f"wrote {report.output} ({report.width}x{report.height}): incarnation "
         f"{report.incarnation_id} version {report.version} (digest {report.digest[:12]}), "
@@ -80,7 +65,20 @@ def render_plot(report: PlotReport) -> str:
         moved = sum(move.moved_slots for move in report.moves)
         commits = "1 commit" if len(report.moves) == 1 else f"{len(report.moves)} commits"
         text += f"; {commits} moving {moved} slots in all"
-    return text
+    return [text]
+
+
+def picture_format(output: Path) -> str:
+    """The format the output's suffix names; any suffix but those of ``PICTURE_FORMATS`` is
+    refused."""
+    form = PICTURE_FORMATS.get(output.suffix.lower())
+    if form is None:
+        names = [f"*{suffix}" for suffix in PICTURE_FORMATS]
+        raise LedgerError(
+            f"name the picture {', '.join(names[:-1])} or {names[-1]} (got {output}): plot "
+            f"writes the format its suffix names"
+        )
+    return form
 
 
 def _check_size(width: int, height: int) -> None:
@@ -131,9 +129,13 @@ def _draw_map(matplotlib: Any, figure: Any, axes: Any, held: HeldMap, ep_size: i
     axes.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes.set_xlabel("physical slot")
     axes.set_ylabel("layer")
+    # The digest is ledger text: escaped, so a warning about a glyph cannot carry a control
+    # character to the terminal either.
     axes.set_title(
-        f"incarnation {held.incarnation.incarnation_id}, version {held.version} "
-        f"(digest {held.digest[:12]})"
+        printable(
+            f"incarnation {held.incarnation.incarnation_id}, version {held.version} "
+            f"(digest {held.digest[:12]})"
+        )
     )
     local = geometry.num_physical_slots // ep_size
     for rank in range(1, ep_size):
@@ -189,11 +191,11 @@ def plot_layout(
     width: int = DEFAULT_WIDTH,
     height: int = DEFAULT_HEIGHT,
 ) -> PlotReport:
-    """Draw the map at ``version`` (and, with ``moves``, the moves) into the PNG ``output``."""
+    """Draw the map at ``version`` (and, with ``moves``, the moves) into ``output``, in the
+    format its suffix names (``picture_format``)."""
     output = Path(output)
+    form = picture_format(output)
     _check_size(width, height)
-    if ep_size < 1:
-        raise LedgerError(f"--ep-size must be at least 1, got {ep_size}")
     held_moves: tuple[CommitMove, ...] | None = None
     floor = 0
     with ledger.connect() as conn:
@@ -206,12 +208,7 @@ def plot_layout(
                 for step in steps
                 if step.moved_slots is not None
             )
-    slots = held.incarnation.geometry.num_physical_slots
-    if slots % ep_size:
-        raise LedgerError(
-            f"--ep-size {ep_size} does not divide the {slots} physical slots per layer; pass the "
-            f"EP size the engines run with"
-        )
+    check_ep_size(ep_size, held.incarnation.geometry)
     matplotlib, figure_class, canvas_class = _matplotlib()
     figure = figure_class(figsize=(width / DPI, height / DPI), dpi=DPI, layout="constrained")
     canvas_class(figure)
@@ -222,7 +219,7 @@ def plot_layout(
         _draw_map(matplotlib, figure, top, held, ep_size)
         _draw_moves(bottom, held_moves, floor)
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=DPI)
+    figure.savefig(buffer, format=form, dpi=DPI)
     write_atomically(output, buffer.getvalue())
     return PlotReport(
         path=str(ledger.path),

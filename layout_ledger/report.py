@@ -1,7 +1,9 @@
 """What the read commands of ``layout-ledger`` collect, and how each is shown to a person.
 
 One ``collect_*`` function per command returns a frozen dataclass; ``to_json()`` gives its
-documented ``--json`` object and a ``render_*`` function its human text. Nothing here prints,
+documented ``--json`` object (derived from its fields, ``layout_ledger.json_shape``) and a
+``render_*`` function its human lines (``layout_ledger.cli`` escapes the ledger's control
+characters in them, ``layout_ledger.terminal``). Nothing here prints,
 parses arguments or exits: ``layout_ledger.cli`` does that. Every collect function reads inside
 one read transaction of a ``LedgerReader``, so what it reports is one consistent snapshot even
 while the daemon writes.
@@ -12,25 +14,28 @@ reads the same stable interface an operator with ``sqlite3`` does.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import Connection, text
 
 from layout_ledger import events as ev
 from layout_ledger import exit_codes, reader
 from layout_ledger.errors import LedgerError, LedgerStorageError
+from layout_ledger.json_shape import JsonObject, JsonShaped, json_field
+from layout_ledger.layer_ranges import LayerRanges
 from layout_ledger.layout import Geometry, Map, layout_digest
 from layout_ledger.protocol import PendingMove
 from layout_ledger.reader import Incarnation, LedgerReader
+from layout_ledger.sql import in_list
 from layout_ledger.state import DirtyMark
-
-JsonObject = dict[str, Any]
 
 # Every event kind the ledger writes (history --kind accepts exactly these).
 EVENT_KINDS: tuple[str, ...] = ev.ALL_KINDS
@@ -54,17 +59,24 @@ def format_layers(layers: Sequence[int]) -> str:
     return ",".join(parts)
 
 
-def check_layers(layers: Sequence[int] | None, geometry: Geometry) -> list[int]:
+def check_layers(layers: LayerRanges | None, geometry: Geometry) -> list[int]:
     """The layers a command looks at: all when None, else each must exist in this ledger."""
     if layers is None:
         return list(range(geometry.num_layers))
-    for layer in layers:
-        if not 0 <= layer < geometry.num_layers:
-            raise LedgerError(
-                f"layer {layer} does not exist: this ledger's maps have layers "
-                f"0..{geometry.num_layers - 1}"
-            )
-    return list(layers)
+    return list(layers.expand(geometry.num_layers))
+
+
+def check_ep_size(ep_size: int, geometry: Geometry) -> None:
+    """``--ep-size`` must split every layer's physical slots evenly into the EP ranks' shares,
+    as an engine's EP size does (the one check of show, plot and export --check)."""
+    if ep_size < 1:
+        raise LedgerError(f"--ep-size must be at least 1, got {ep_size}")
+    slots = geometry.num_physical_slots
+    if slots % ep_size:
+        raise LedgerError(
+            f"--ep-size {ep_size} does not divide the {slots} physical slots per layer; pass the "
+            f"EP size the engines run with"
+        )
 
 
 def _geometry_json(geometry: Geometry) -> JsonObject:
@@ -108,8 +120,8 @@ def held_map(conn: Connection, incarnation_id: int | None, version: int | None) 
 
 
 @dataclass(frozen=True)
-class EventRow:
-    """One row of the ``ledger_events`` view."""
+class EventRow(JsonShaped):
+    """One row of the ``ledger_events`` view: its columns, in its order."""
 
     event_id: int
     incarnation_id: int
@@ -137,25 +149,10 @@ class EventRow:
             reason=row.reason,
         )
 
-    def to_json(self) -> JsonObject:
-        return {
-            "event_id": self.event_id,
-            "incarnation_id": self.incarnation_id,
-            "at": self.at,
-            "kind": self.kind,
-            "engine_id": self.engine_id,
-            "layers": None if self.layers is None else list(self.layers),
-            "base_version": self.base_version,
-            "new_version": self.new_version,
-            "digest_after": self.digest_after,
-            "reason": self.reason,
-        }
 
-
-_EVENT_COLUMNS = (
-    "event_id, incarnation_id, at, kind, engine_id, layers, base_version, new_version, "
-    "digest_after, reason"
-)
+# The columns of an event row, in the view's order (history's --csv header).
+EVENT_COLUMNS: tuple[str, ...] = tuple(column.name for column in fields(EventRow))
+_EVENT_COLUMNS = ", ".join(EVENT_COLUMNS)
 
 
 def render_event(event: EventRow) -> str:
@@ -180,18 +177,50 @@ def render_event(event: EventRow) -> str:
 # --- status -------------------------------------------------------------------------------
 
 
+def _incarnation_json(inc: Incarnation) -> JsonObject:
+    return {
+        "incarnation_id": inc.incarnation_id,
+        "started_at": inc.started_at,
+        "ended_at": inc.ended_at,
+        "end_state": inc.end_state,
+        "daemon_label": inc.daemon_label,
+        **_geometry_json(inc.geometry),
+    }
+
+
+def _dirty_json(dirty: DirtyMark | None) -> JsonObject:
+    return {
+        "dirty": dirty is not None,
+        "dirty_reason": None if dirty is None else dirty.reason,
+        "dirty_move": None if dirty is None else {**dirty.move.to_wire(), "at": dirty.at},
+    }
+
+
+def _pending_protocol(pending: PendingMove | None) -> JsonObject | None:
+    return None if pending is None else pending.to_wire()
+
+
+def _pending_json(pending: PendingMove | None) -> JsonObject:
+    return {
+        "pending": _pending_protocol(pending),
+        "pending_since": None if pending is None else pending.since,
+    }
+
+
 @dataclass(frozen=True)
-class StatusReport:
+class StatusReport(JsonShaped):
     """One incarnation's state, as a restarted daemon would derive it, plus what happened."""
 
+    json_properties: ClassVar[tuple[str, ...]] = ("state",)
+
     path: str
-    incarnation_count: int
-    incarnation: Incarnation
+    incarnation_count: int = field(metadata=json_field(key="incarnations"))
+    incarnation: Incarnation = field(metadata=json_field(convert=_incarnation_json, spread=True))
     version: int
     digest: str
     reconstructible_from: int
-    dirty: DirtyMark | None
-    pending: PendingMove | None
+    dirty: DirtyMark | None = field(metadata=json_field(convert=_dirty_json, spread=True))
+    pending: PendingMove | None = field(metadata=json_field(convert=_pending_json, spread=True))
     attached: tuple[str, ...]
     non_following_fetch: bool
     refusals: int
@@ -216,33 +245,6 @@ class StatusReport:
             "refusals": exit_codes.PENDING_OR_REFUSALS,
             "clean": exit_codes.OK,
         }[self.state]
-
-    def to_json(self) -> JsonObject:
-        inc = self.incarnation
-        dirty = self.dirty
-        return {
-            "path": self.path,
-            "incarnation_id": inc.incarnation_id,
-            "incarnations": self.incarnation_count,
-            "started_at": inc.started_at,
-            "ended_at": inc.ended_at,
-            "end_state": inc.end_state,
-            "daemon_label": inc.daemon_label,
-            **_geometry_json(inc.geometry),
-            "version": self.version,
-            "digest": self.digest,
-            "reconstructible_from": self.reconstructible_from,
-            "dirty": dirty is not None,
-            "dirty_reason": None if dirty is None else dirty.reason,
-            "dirty_move": None if dirty is None else {**dirty.move.to_wire(), "at": dirty.at},
-            "pending": None if self.pending is None else self.pending.to_wire(),
-            "pending_since": None if self.pending is None else self.pending.since,
-            "attached": list(self.attached),
-            "non_following_fetch": self.non_following_fetch,
-            "refusals": self.refusals,
-            "last_event": None if self.last_event is None else self.last_event.to_json(),
-            "state": self.state,
-        }
 
 
 def collect_status(ledger: LedgerReader, incarnation_id: int | None = None) -> StatusReport:
@@ -283,7 +285,14 @@ def _yes_no(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def render_status(report: StatusReport) -> str:
+def _pending_text(pending: PendingMove) -> str:
+    return (
+        f"engine {pending.engine_id!r}, layers {format_layers(pending.layers)}, "
+        f"from version {pending.base_version}, since {pending.since}"
+    )
+
+
+def render_status(report: StatusReport) -> list[str]:
     inc = report.incarnation
     geometry = inc.geometry
     if inc.ended_at is None:
@@ -294,13 +303,7 @@ def render_status(report: StatusReport) -> str:
         dirty = f"yes, since {report.dirty.at}: {report.dirty.reason}"
     else:
         dirty = "no"
-    pending = report.pending
-    pending_text = (
-        "none"
-        if pending is None
-        else f"engine {pending.engine_id!r}, layers {format_layers(pending.layers)}, "
-        f"from version {pending.base_version}, since {pending.since}"
-    )
+    pending = "none" if report.pending is None else _pending_text(report.pending)
     last = report.last_event
     last_text = (
         "none"
@@ -319,7 +322,7 @@ def render_status(report: StatusReport) -> str:
         ("digest", report.digest),
         ("history held", f"versions {report.reconstructible_from}..{report.version}"),
         ("dirty", dirty),
-        ("pending move", pending_text),
+        ("pending move", pending),
         ("attached", ", ".join(report.attached) if report.attached else "none"),
         ("non-following fetch", _yes_no(report.non_following_fetch)),
         ("refusals", str(report.refusals)),
@@ -327,15 +330,29 @@ def render_status(report: StatusReport) -> str:
         ("state", report.state),
     ]
     width = max(len(label) for label, _ in rows) + 1
-    return "\n".join(f"{label + ':':<{width}} {value}" for label, value in rows)
+    return [f"{label + ':':<{width}} {value}" for label, value in rows]
 
 
 # --- history ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class HistoryFilter:
-    """Which events ``history`` shows: those every given filter matches (since <= at < until)."""
+class HistoryRequest:
+    """What ``history`` was asked for, before it is checked against the ledger."""
+
+    incarnation_id: int | None = None
+    engine: str | None = None  # an engine_id, or a unique prefix of one
+    layers: LayerRanges | None = None
+    kinds: tuple[str, ...] = ()
+    since: str | None = None
+    until: str | None = None
+    last: int | None = None
+
+
+@dataclass(frozen=True)
+class HistoryFilter(JsonShaped):
+    """The filter ``history`` applied, resolved against the ledger: the events every given
+    filter matches (since <= at < until); no layers and no kinds mean any."""
 
     incarnation_id: int | None = None
     engine_id: str | None = None
@@ -345,81 +362,111 @@ class HistoryFilter:
     until: str | None = None
     last: int | None = None
 
-    def to_json(self) -> JsonObject:
-        return {
-            "incarnation_id": self.incarnation_id,
-            "engine_id": self.engine_id,
-            "layers": list(self.layers),
-            "kinds": list(self.kinds),
-            "since": self.since,
-            "until": self.until,
-            "last": self.last,
-        }
-
 
 @dataclass(frozen=True)
-class HistoryReport:
+class HistoryReport(JsonShaped):
     path: str
     filter: HistoryFilter
     events: tuple[EventRow, ...]
 
-    def to_json(self) -> JsonObject:
-        return {
-            "path": self.path,
-            "filter": self.filter.to_json(),
-            "events": [event.to_json() for event in self.events],
-        }
+
+def resolve_engine(conn: Connection, asked: str, incarnation_id: int | None = None) -> str:
+    """The engine_id ``--engine`` means: ``asked`` itself when an event names it, else the one
+    engine_id it begins; an ambiguous prefix is an error listing the matches, and a prefix of
+    nothing stays as asked (no event matches it)."""
+    sql = (
+        "SELECT DISTINCT engine_id FROM ledger_events WHERE substr(engine_id, 1, :length) = :asked"
+    )
+    params: dict[str, Any] = {"length": len(asked), "asked": asked}
+    if incarnation_id is not None:
+        sql += " AND incarnation_id = :inc"
+        params["inc"] = incarnation_id
+    matches = sorted(str(engine) for engine in conn.execute(text(sql), params).scalars())
+    if asked in matches or not matches:
+        return asked
+    if len(matches) == 1:
+        return matches[0]
+    listed = ", ".join(repr(engine) for engine in matches)
+    raise LedgerError(
+        f"--engine {asked!r} matches {len(matches)} engines: {listed}; give more of the id"
+    )
 
 
-def collect_history(ledger: LedgerReader, wanted: HistoryFilter) -> HistoryReport:
+def _history_query(applied: HistoryFilter) -> tuple[str, dict[str, Any]]:
+    where = []
+    params: dict[str, Any] = {}
+    if applied.incarnation_id is not None:
+        where.append("incarnation_id = :inc")
+        params["inc"] = applied.incarnation_id
+    if applied.engine_id is not None:
+        where.append("engine_id = :engine")
+        params["engine"] = applied.engine_id
+    if applied.kinds:
+        marks, kinds = in_list("kind", applied.kinds)
+        where.append(f"kind IN {marks}")
+        params.update(kinds)
+    if applied.layers:
+        marks, layers = in_list("layer", applied.layers)
+        where.append(
+            f"EXISTS (SELECT 1 FROM json_each(ledger_events.layers) j WHERE j.value IN {marks})"
+        )
+        params.update(layers)
+    if applied.since is not None:
+        where.append("at >= :since")
+        params["since"] = applied.since
+    if applied.until is not None:
+        where.append("at < :until")
+        params["until"] = applied.until
+    sql = f"SELECT {_EVENT_COLUMNS} FROM ledger_events"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY event_id DESC"
+    if applied.last is not None:
+        sql += " LIMIT :last"
+        params["last"] = applied.last
+    return sql, params
+
+
+def collect_history(ledger: LedgerReader, wanted: HistoryRequest) -> HistoryReport:
     for kind in wanted.kinds:
         if kind not in EVENT_KINDS:
             raise LedgerError(f"unknown event kind {kind!r}; expected one of {EVENT_KINDS}")
     if wanted.last is not None and wanted.last < 1:
         raise LedgerError(f"--last must be at least 1, got {wanted.last}")
-    where = []
-    params: dict[str, Any] = {}
-    if wanted.incarnation_id is not None:
-        where.append("incarnation_id = :inc")
-        params["inc"] = wanted.incarnation_id
-    if wanted.engine_id is not None:
-        where.append("engine_id = :engine")
-        params["engine"] = wanted.engine_id
-    if wanted.kinds:
-        marks = ", ".join(f":kind{n}" for n in range(len(wanted.kinds)))
-        where.append(f"kind IN ({marks})")
-        params.update({f"kind{n}": kind for n, kind in enumerate(wanted.kinds)})
-    if wanted.layers:
-        marks = ", ".join(f":layer{n}" for n in range(len(wanted.layers)))
-        where.append(
-            f"EXISTS (SELECT 1 FROM json_each(ledger_events.layers) j WHERE j.value IN ({marks}))"
-        )
-        params.update({f"layer{n}": layer for n, layer in enumerate(wanted.layers)})
-    if wanted.since is not None:
-        where.append("at >= :since")
-        params["since"] = wanted.since
-    if wanted.until is not None:
-        where.append("at < :until")
-        params["until"] = wanted.until
-    sql = f"SELECT {_EVENT_COLUMNS} FROM ledger_events"
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += " ORDER BY event_id DESC"
-    if wanted.last is not None:
-        sql += " LIMIT :last"
-        params["last"] = wanted.last
     with ledger.connect() as conn:
-        if wanted.incarnation_id is not None:
-            reader.incarnation(conn, wanted.incarnation_id)  # names a missing incarnation
+        if wanted.incarnation_id is not None:  # names a missing incarnation
+            incarnations = [reader.incarnation(conn, wanted.incarnation_id)]
+        else:
+            incarnations = reader.incarnations(conn)
+        num_layers = max((inc.geometry.num_layers for inc in incarnations), default=0)
+        applied = HistoryFilter(
+            incarnation_id=wanted.incarnation_id,
+            engine_id=(
+                None
+                if wanted.engine is None
+                else resolve_engine(conn, wanted.engine, wanted.incarnation_id)
+            ),
+            layers=() if wanted.layers is None else wanted.layers.expand(num_layers),
+            kinds=wanted.kinds,
+            since=wanted.since,
+            until=wanted.until,
+            last=wanted.last,
+        )
+        sql, params = _history_query(applied)
         rows = conn.execute(text(sql), params).all()
     events = tuple(EventRow.from_row(row) for row in reversed(rows))
-    return HistoryReport(str(ledger.path), wanted, events)
+    return HistoryReport(str(ledger.path), applied, events)
 
 
-def render_history(report: HistoryReport) -> str:
+def render_history(report: HistoryReport) -> list[str]:
     if not report.events:
-        return "no events match"
-    return "\n".join(render_event(event) for event in report.events)
+        return ["no events match"]
+    return [render_event(event) for event in report.events]
+
+
+def history_rows(report: HistoryReport) -> list[JsonObject]:
+    """The events as rows of ``EVENT_COLUMNS`` (``--nl``, ``--csv``)."""
+    return [event.to_json() for event in report.events]
 
 
 # --- show ---------------------------------------------------------------------------------
@@ -431,9 +478,8 @@ def format_physical_to_logical_map(
     """The text of sglang 0.5.23's ``format_physical_to_logical_map``
     (sglang/srt/eplb/expert_location.py:425), which ``format_expert_location_layout`` (:377)
     returns, reproduced without importing sglang or torch; tests/test_cli_sglang.py compares
-    the two on the same maps."""
-    if ep_size < 1:
-        raise LedgerError(f"--ep-size must be at least 1, got {ep_size}")
+    the two on the same maps. Like sglang's, it takes any ``ep_size >= 1`` (whole rows when it
+    does not divide the slots); ``show`` passes only one that does (``check_ep_size``)."""
     num_layers = len(physical_to_logical_map)
     if num_layers == 0 or not physical_to_logical_map[0]:
         return "<empty>"
@@ -458,27 +504,27 @@ def format_physical_to_logical_map(
     return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class ShowReport:
-    path: str
-    held: HeldMap
-    ep_size: int
-    layers: tuple[int, ...]
+def _held_json(held: HeldMap) -> JsonObject:
+    return {
+        "incarnation_id": held.incarnation.incarnation_id,
+        "version": held.version,
+        "digest": held.digest,
+        **_geometry_json(held.incarnation.geometry),
+    }
 
-    def to_json(self) -> JsonObject:
-        held = self.held
-        return {
-            "path": self.path,
-            "incarnation_id": held.incarnation.incarnation_id,
-            "version": held.version,
-            "digest": held.digest,
-            **_geometry_json(held.incarnation.geometry),
-            "ep_size": self.ep_size,
-            "layers": [
-                {"layer": layer, "slots": list(held.physical_to_logical_map[layer])}
-                for layer in self.layers
-            ],
-        }
+
+@dataclass(frozen=True)
+class ShownLayer(JsonShaped):
+    layer: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShowReport(JsonShaped):
+    path: str
+    held: HeldMap = field(metadata=json_field(convert=_held_json, spread=True))
+    ep_size: int
+    layers: tuple[ShownLayer, ...]
 
 
 def collect_show(
@@ -486,50 +532,64 @@ def collect_show(
     *,
     incarnation_id: int | None = None,
     version: int | None = None,
-    layers: Sequence[int] | None = None,
+    layers: LayerRanges | None = None,
     ep_size: int = 1,
 ) -> ShowReport:
-    if ep_size < 1:
-        raise LedgerError(f"--ep-size must be at least 1, got {ep_size}")
     with ledger.connect() as conn:
         held = held_map(conn, incarnation_id, version)
+    check_ep_size(ep_size, held.incarnation.geometry)
     chosen = check_layers(layers, held.incarnation.geometry)
-    return ShowReport(str(ledger.path), held, ep_size, tuple(chosen))
+    shown = tuple(ShownLayer(layer, tuple(held.physical_to_logical_map[layer])) for layer in chosen)
+    return ShowReport(str(ledger.path), held, ep_size, shown)
 
 
-def render_show(report: ShowReport) -> str:
-    return format_physical_to_logical_map(
-        report.held.physical_to_logical_map, report.ep_size, report.layers
+def render_show(report: ShowReport) -> list[str]:
+    layer_ids = [shown.layer for shown in report.layers]
+    shown_text = format_physical_to_logical_map(
+        report.held.physical_to_logical_map, report.ep_size, layer_ids
     )
+    return shown_text.split("\n")
 
 
 # --- diff ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class SlotChange:
+class SlotChange(JsonShaped):
     slot: int
-    before: int
-    after: int
+    before: int = field(metadata=json_field(key="from"))
+    after: int = field(metadata=json_field(key="to"))
 
 
 @dataclass(frozen=True)
-class LayerChange:
+class LayerChange(JsonShaped):
+    json_properties: ClassVar[tuple[str, ...]] = ("changed",)
+
     layer: int
     slots: tuple[SlotChange, ...]
 
+    @property
+    def changed(self) -> int:
+        return len(self.slots)
+
+
+# The columns of diff's rows (--nl, --csv): one changed slot each.
+DIFF_COLUMNS: tuple[str, ...] = ("layer", "slot", "from", "to")
+
 
 @dataclass(frozen=True)
-class DiffReport:
+class DiffReport(JsonShaped):
+    json_properties: ClassVar[tuple[str, ...]] = ("changed_slots", "total_slots")
+
     path: str
     incarnation_id: int
-    num_physical_slots: int
+    num_physical_slots: int = field(metadata=json_field(omit=True))
     from_version: int
     from_digest: str
     to_version: int
     to_digest: str
     layers: tuple[int, ...]
-    changes: tuple[LayerChange, ...]
+    changes: tuple[LayerChange, ...] = field(metadata=json_field(key="changed_layers"))
 
     @property
     def changed_slots(self) -> int:
@@ -539,28 +599,13 @@ class DiffReport:
     def total_slots(self) -> int:
         return len(self.layers) * self.num_physical_slots
 
-    def to_json(self) -> JsonObject:
-        return {
-            "path": self.path,
-            "incarnation_id": self.incarnation_id,
-            "from_version": self.from_version,
-            "from_digest": self.from_digest,
-            "to_version": self.to_version,
-            "to_digest": self.to_digest,
-            "layers": list(self.layers),
-            "changed_slots": self.changed_slots,
-            "total_slots": self.total_slots,
-            "changed_layers": [
-                {
-                    "layer": change.layer,
-                    "changed": len(change.slots),
-                    "slots": [
-                        {"slot": s.slot, "from": s.before, "to": s.after} for s in change.slots
-                    ],
-                }
-                for change in self.changes
-            ],
-        }
+    def slot_rows(self) -> list[JsonObject]:
+        """Every changed slot as a row of ``DIFF_COLUMNS``."""
+        return [
+            {"layer": change.layer, **slot.to_json()}
+            for change in self.changes
+            for slot in change.slots
+        ]
 
 
 def collect_diff(
@@ -569,7 +614,7 @@ def collect_diff(
     to_version: int,
     *,
     incarnation_id: int | None = None,
-    layers: Sequence[int] | None = None,
+    layers: LayerRanges | None = None,
 ) -> DiffReport:
     with ledger.connect() as conn:
         before = held_map(conn, incarnation_id, from_version)
@@ -599,7 +644,7 @@ def collect_diff(
     )
 
 
-def render_diff(report: DiffReport, *, slots: bool = False) -> str:
+def render_diff(report: DiffReport, *, slots: bool = False) -> list[str]:
     """sglang's ``format_expert_location_layout_diff`` lines under a header; ``slots`` adds one
     line per changed slot."""
     lines = [
@@ -616,7 +661,7 @@ def render_diff(report: DiffReport, *, slots: bool = False) -> str:
         )
         if slots:
             lines.extend(f"  slot {s.slot}: {s.before} -> {s.after}" for s in change.slots)
-    return "\n".join(lines)
+    return lines
 
 
 # --- export -------------------------------------------------------------------------------
@@ -627,25 +672,17 @@ EXPORT_SUFFIX = ".json"
 
 
 @dataclass(frozen=True)
-class ExportReport:
+class ExportReport(JsonShaped):
     path: str
     output: str
     incarnation_id: int
     version: int
     digest: str
-    geometry: Geometry
+    geometry: Geometry = field(metadata=json_field(convert=_geometry_json, spread=True))
     dirty: bool
-
-    def to_json(self) -> JsonObject:
-        return {
-            "path": self.path,
-            "output": self.output,
-            "incarnation_id": self.incarnation_id,
-            "version": self.version,
-            "digest": self.digest,
-            **_geometry_json(self.geometry),
-            "dirty": self.dirty,
-        }
+    pending: PendingMove | None = field(metadata=json_field(convert=_pending_protocol))
+    # False until the file is in place, and for good when export --check refused it.
+    written: bool = field(default=False, metadata=json_field(omit=True))
 
 
 def init_expert_location_text(physical_to_logical_map: Map) -> str:
@@ -658,23 +695,100 @@ def init_expert_location_text(physical_to_logical_map: Map) -> str:
     return '{\n  "physical_to_logical_map": [\n' + rows + "\n  ]\n}\n"
 
 
-def write_atomically(output: Path, data: bytes) -> None:
-    """Write ``data`` to ``output`` through a temporary file in its directory and a rename."""
+def _sync_directory(output: Path) -> None:
+    try:
+        fd = os.open(output.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise LedgerError(
+            f"wrote {output} but could not sync its directory to disk: {exc.strerror}"
+        ) from exc
+
+
+def write_atomically(
+    output: Path, data: bytes, accept: Callable[[Path], bool] | None = None
+) -> bool:
+    """Write ``data`` to ``output`` through a temporary file in its directory (same suffix),
+    synced to disk, then a rename, then a sync of the directory. ``accept`` sees the complete
+    temporary file first: when it returns False or raises, the temporary file is removed and
+    ``output`` stays as it was. Returns whether ``output`` was written."""
     directory = output.parent
     if not directory.is_dir():
         raise LedgerError(f"cannot write {output}: the directory {directory} does not exist")
     try:
-        fd, temporary = tempfile.mkstemp(prefix=f".{output.name}.", dir=directory)
+        fd, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=output.suffix, dir=directory)
     except OSError as exc:
         raise LedgerError(f"cannot write {output}: {exc.strerror}") from exc
+    temporary = Path(name)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        os.chmod(temporary, 0o644)
+            handle.flush()
+            os.fsync(handle.fileno())
+        temporary.chmod(0o644)
+        if accept is not None and not accept(temporary):
+            temporary.unlink()
+            return False
         os.replace(temporary, output)
-    except OSError as exc:
-        os.unlink(temporary)
-        raise LedgerError(f"cannot write {output}: {exc.strerror}") from exc
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+        if isinstance(exc, OSError):
+            raise LedgerError(f"cannot write {output}: {exc.strerror}") from exc
+        raise
+    _sync_directory(output)
+    return True
+
+
+def read_export(
+    ledger: LedgerReader,
+    output: str | Path,
+    *,
+    incarnation_id: int | None = None,
+    version: int | None = None,
+) -> tuple[ExportReport, Map]:
+    """What ``export`` would write (nothing written yet): the report and the map, after the
+    output's name and the rows' digest are checked."""
+    output = Path(output)
+    if output.suffix != EXPORT_SUFFIX:
+        raise LedgerError(
+            f"name the output file *{EXPORT_SUFFIX} (got {output}): sglang reads "
+            f"--init-expert-location as a file only when the name ends in {EXPORT_SUFFIX}"
+        )
+    with ledger.connect() as conn:
+        held = held_map(conn, incarnation_id, version)
+        i = held.incarnation.incarnation_id
+        derived = reader.replayed(conn, held.incarnation)
+        dirty, pending = derived.dirty is not None, derived.pending
+    if layout_digest(held.physical_to_logical_map) != held.digest:
+        raise LedgerStorageError(
+            f"the rows of incarnation {i} version {held.version} do not give its recorded "
+            f"digest {held.digest[:12]}; nothing exported. Run `layout-ledger verify "
+            f"{ledger.path}`"
+        )
+    report = ExportReport(
+        path=str(ledger.path),
+        output=str(output),
+        incarnation_id=i,
+        version=held.version,
+        digest=held.digest,
+        geometry=held.incarnation.geometry,
+        dirty=dirty,
+        pending=pending,
+    )
+    return report, held.physical_to_logical_map
+
+
+def write_export(
+    report: ExportReport, the_map: Map, accept: Callable[[Path], bool] | None = None
+) -> ExportReport:
+    """Write the map as ``report.output`` (``write_atomically``; ``accept`` may refuse it)."""
+    data = init_expert_location_text(the_map).encode()
+    written = write_atomically(Path(report.output), data, accept)
+    return dataclasses.replace(report, written=written)
 
 
 def export_map(
@@ -686,45 +800,32 @@ def export_map(
 ) -> tuple[ExportReport, Map]:
     """Write the map at ``version`` as an ``--init-expert-location`` file; returns the report
     and the map written."""
-    output = Path(output)
-    if output.suffix != EXPORT_SUFFIX:
-        raise LedgerError(
-            f"name the output file *{EXPORT_SUFFIX} (got {output}): sglang reads "
-            f"--init-expert-location as a file only when the name ends in {EXPORT_SUFFIX}"
-        )
-    with ledger.connect() as conn:
-        held = held_map(conn, incarnation_id, version)
-        dirty = reader.replayed(conn, held.incarnation).dirty is not None
-    if layout_digest(held.physical_to_logical_map) != held.digest:
-        raise LedgerStorageError(
-            f"the rows of incarnation {held.incarnation.incarnation_id} version {held.version} "
-            f"do not give its recorded digest {held.digest[:12]}; nothing exported. Run "
-            f"`layout-ledger verify {ledger.path}`"
-        )
-    write_atomically(output, init_expert_location_text(held.physical_to_logical_map).encode())
-    report = ExportReport(
-        path=str(ledger.path),
-        output=str(output),
-        incarnation_id=held.incarnation.incarnation_id,
-        version=held.version,
-        digest=held.digest,
-        geometry=held.incarnation.geometry,
-        dirty=dirty,
-    )
-    return report, held.physical_to_logical_map
+    report, the_map = read_export(ledger, output, incarnation_id=incarnation_id, version=version)
+    return write_export(report, the_map), the_map
 
 
-def render_export(report: ExportReport) -> str:
+def render_export(report: ExportReport) -> list[str]:
     geometry = report.geometry
-    lines = [
-        f"wrote {report.output}: incarnation {report.incarnation_id} version {report.version} "
+    what = (
+        f"incarnation {report.incarnation_id} version {report.version} "
         f"(digest {report.digest[:12]}), {geometry.num_layers} layers x "
-        f"{geometry.num_physical_slots} physical slots",
-        f"start an engine with it: --init-expert-location {report.output}",
-    ]
+        f"{geometry.num_physical_slots} physical slots"
+    )
+    if report.written:
+        lines = [
+            f"wrote {report.output}: {what}",
+            f"start an engine with it: --init-expert-location {report.output}",
+        ]
+    else:
+        lines = [f"checked {report.output}, not written: {what}"]
     if report.dirty:
         lines.append(
             "note: this incarnation is dirty; the file holds its last committed layout, not "
             "necessarily what the daemon's memory holds"
         )
-    return "\n".join(lines)
+    if report.pending is not None:
+        lines.append(
+            f"note: a move is pending ({_pending_text(report.pending)}); the file holds the "
+            f"last committed layout, which that move changes when it commits"
+        )
+    return lines

@@ -25,25 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from layout_ledger.errors import LedgerError
+from layout_ledger.json_shape import JsonShaped
 from layout_ledger.layout import Geometry, Map
-from layout_ledger.report import JsonObject
+from layout_ledger.report import check_ep_size
 from layout_ledger.sglang_env import DISABLED_MODEL_ARCHS_ENV, QUIET_ARCHS
 
 
 @dataclass(frozen=True)
-class ExportCheck:
+class ExportCheck(JsonShaped):
     model_path: str
     ep_size: int
     equal: bool
     detail: str
-
-    def to_json(self) -> JsonObject:
-        return {
-            "model_path": self.model_path,
-            "ep_size": self.ep_size,
-            "equal": self.equal,
-            "detail": self.detail,
-        }
 
 
 def _first_difference(expected: Map, actual: list[list[int]]) -> str:
@@ -96,6 +89,14 @@ def _metadata_map(
     return expected, [[int(v) for v in row] for row in rows]
 
 
+def check_inputs(model_path: str | Path, geometry: Geometry, ep_size: int) -> None:
+    """What the check needs besides the file: a model directory with a ``config.json``, and an
+    EP size that divides the slots (``export --check`` asks this before writing anything)."""
+    if not (Path(model_path) / "config.json").is_file():
+        raise LedgerError(f"--model-path {model_path} has no config.json")
+    check_ep_size(ep_size, geometry)
+
+
 def check_export(
     export_path: str | Path,
     model_path: str | Path,
@@ -103,16 +104,13 @@ def check_export(
     geometry: Geometry,
     *,
     ep_size: int = 1,
+    shown_as: str | Path | None = None,
 ) -> ExportCheck:
-    """Load ``export_path`` as ``--init-expert-location`` for ``model_path``; compare the maps."""
+    """Load ``export_path`` as ``--init-expert-location`` for ``model_path``; compare the maps.
+    Messages name the file ``shown_as`` (default: ``export_path``), for a temporary file that
+    becomes the output only when the check passes."""
     export_path, model_path = Path(export_path), Path(model_path)
-    if not (model_path / "config.json").is_file():
-        raise LedgerError(f"--model-path {model_path} has no config.json")
-    if ep_size < 1 or geometry.num_physical_slots % ep_size:
-        raise LedgerError(
-            f"--ep-size {ep_size} does not divide the {geometry.num_physical_slots} physical "
-            f"slots per layer; pass the EP size the engines run with"
-        )
+    check_inputs(model_path, geometry, ep_size)
     # sglang prints to stdout here and there, and warns about every GPU-only feature a CPU
     # lacks: keep stdout for the command's own output and stderr for real problems.
     sglang_logger = logging.getLogger("sglang")
@@ -124,7 +122,8 @@ def check_export(
             model, actual = _metadata_map(export_path, model_path, geometry, ep_size)
     except Exception as exc:  # sglang's own failure, whatever its type, is the check's answer
         raise LedgerError(
-            f"sglang could not load {export_path} as --init-expert-location for {model_path}: "
+            f"sglang could not load {shown_as or export_path} as --init-expert-location for "
+            f"{model_path}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
     finally:

@@ -22,21 +22,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from sqlalchemy import Connection, text
 
 from layout_ledger import reader
+from layout_ledger.json_shape import JsonShaped, json_field
 from layout_ledger.layout import layout_digest
 from layout_ledger.migrate import file_revision
 from layout_ledger.reader import Incarnation, LedgerReader
 from layout_ledger.replay import ReplayMismatch, StoredEvents, replay_incarnation
-from layout_ledger.report import JsonObject
 from layout_ledger.version_walk import WalkInconsistency, walk_versions
 
 
 @dataclass(frozen=True)
-class CheckResult:
+class CheckResult(JsonShaped):
     check: str
     incarnation_id: int | None
     ok: bool
@@ -48,20 +49,14 @@ class CheckResult:
             return self.check
         return f"incarnation {self.incarnation_id} {self.check}"
 
-    def to_json(self) -> JsonObject:
-        return {
-            "check": self.check,
-            "incarnation_id": self.incarnation_id,
-            "ok": self.ok,
-            "detail": self.detail,
-        }
-
 
 @dataclass(frozen=True)
-class VerifyReport:
+class VerifyReport(JsonShaped):
+    json_properties: ClassVar[tuple[str, ...]] = ("ok", "first_inconsistency")
+
     path: str
     schema_revision: str | None
-    results: tuple[CheckResult, ...]
+    results: tuple[CheckResult, ...] = field(metadata=json_field(key="checks"))
 
     @property
     def inconsistencies(self) -> tuple[CheckResult, ...]:
@@ -75,15 +70,6 @@ class VerifyReport:
     def first_inconsistency(self) -> str | None:
         bad = self.inconsistencies
         return None if not bad else f"{bad[0].label}: {bad[0].detail}"
-
-    def to_json(self) -> JsonObject:
-        return {
-            "path": self.path,
-            "schema_revision": self.schema_revision,
-            "ok": self.ok,
-            "checks": [result.to_json() for result in self.results],
-            "first_inconsistency": self.first_inconsistency,
-        }
 
 
 class Inconsistent(Exception):
@@ -218,7 +204,7 @@ def collect_verify(ledger: LedgerReader) -> VerifyReport:
     return VerifyReport(str(ledger.path), revision, tuple(results))
 
 
-def render_verify(report: VerifyReport) -> str:
+def render_verify(report: VerifyReport) -> list[str]:
     lines = [f"ledger {report.path} (schema {report.schema_revision})"]
     for result in report.results:
         verdict = "ok" if result.ok else "INCONSISTENT"
@@ -230,4 +216,4 @@ def render_verify(report: VerifyReport) -> str:
         lines.append(
             f"{len(report.inconsistencies)} inconsistent; first: {report.first_inconsistency}"
         )
-    return "\n".join(lines)
+    return lines

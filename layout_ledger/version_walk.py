@@ -56,91 +56,133 @@ def _parse_row(slots: str, inc: Incarnation, layer: int, version: int) -> list[i
         raise WalkInconsistency(str(exc)) from exc
 
 
-def walk_versions(conn: Connection, inc: Incarnation) -> Iterator[VersionStep]:
-    """Every held version of ``inc``, from the reconstructible floor to the current one."""
-    i = inc.incarnation_id
-    floor = reader.reconstructible_from(conn, i)
+def _floor_map(conn: Connection, inc: Incarnation, floor: int) -> tuple[list[str], list[list[int]]]:
+    """The whole map at the reconstructible floor: its rows' JSON texts and parsed rows."""
     try:
         row_jsons = reader.row_jsons_at(conn, inc, floor)
     except LedgerStorageError as exc:
         raise WalkInconsistency(str(exc)) from exc
     rows = [_parse_row(slots, inc, layer, floor) for layer, slots in enumerate(row_jsons)]
-    floor_layers = [
+    return row_jsons, rows
+
+
+def _layers_written_at(conn: Connection, incarnation_id: int, version: int) -> list[int]:
+    return [
         int(layer)
         for layer in conn.execute(
             text(
                 "SELECT layer FROM layout_rows WHERE incarnation_id = :i AND version = :v "
                 "ORDER BY layer"
             ),
-            {"i": i, "v": floor},
+            {"i": incarnation_id, "v": version},
         ).scalars()
     ]
+
+
+def _held_versions(conn: Connection, incarnation_id: int, floor: int) -> list[Any]:
     versions = conn.execute(
         text(
             "SELECT version, digest, committed_at, engine_id, layers FROM versions "
             "WHERE incarnation_id = :i AND version >= :floor ORDER BY version"
         ),
-        {"i": i, "floor": floor},
+        {"i": incarnation_id, "floor": floor},
     ).all()
     if not versions or versions[0].version != floor:
         raise WalkInconsistency(
-            f"incarnation {i} holds rows from version {floor} but has no versions row for it"
+            f"incarnation {incarnation_id} holds rows from version {floor} but has no versions "
+            f"row for it"
         )
-    # The later rows stream in (version, layer) order beside the versions: memory stays
-    # O(layers) however long the history is.
-    later_rows = iter(
-        conn.execute(
-            text(
-                "SELECT layer, version, slots FROM layout_rows "
-                "WHERE incarnation_id = :i AND version > :floor ORDER BY version, layer"
-            ),
-            {"i": i, "floor": floor},
+    return list(versions)
+
+
+class _LaterRows:
+    """The rows after the floor, streamed in (version, layer) order beside the versions: memory
+    stays O(layers) however long the history is."""
+
+    def __init__(self, conn: Connection, incarnation_id: int, floor: int) -> None:
+        self._incarnation_id = incarnation_id
+        self._rows = iter(
+            conn.execute(
+                text(
+                    "SELECT layer, version, slots FROM layout_rows "
+                    "WHERE incarnation_id = :i AND version > :floor ORDER BY version, layer"
+                ),
+                {"i": incarnation_id, "floor": floor},
+            )
         )
-    )
-    next_row: Any = next(later_rows, None)
-    first = True
-    for version_row in versions:
+        self._next: Any = next(self._rows, None)
+
+    def of_version(self, version: int) -> Iterator[Any]:
+        """The rows written at exactly ``version`` (consume them all before the next call); a
+        row of an earlier version still waiting has no versions row."""
+        while self._next is not None and self._next.version <= version:
+            row, self._next = self._next, next(self._rows, None)
+            if row.version != version:
+                raise _orphan(self._incarnation_id, row)
+            yield row
+
+    def finish(self) -> None:
+        """After the last version: any row left has no versions row."""
+        if self._next is not None:
+            raise _orphan(self._incarnation_id, self._next)
+
+
+def _apply_row(
+    inc: Incarnation, version: int, row: Any, rows: list[list[int]], row_jsons: list[str]
+) -> int:
+    """Put ``row`` (written at ``version``) into the whole map; returns the slots it changed."""
+    layer = int(row.layer)
+    if not 0 <= layer < inc.geometry.num_layers:
+        raise WalkInconsistency(
+            f"incarnation {inc.incarnation_id} version {version} has a row for layer {layer}, "
+            f"outside 0..{inc.geometry.num_layers - 1}"
+        )
+    new = _parse_row(row.slots, inc, layer, version)
+    moved = sum(1 for a, b in zip(rows[layer], new, strict=True) if a != b)
+    rows[layer] = new
+    row_jsons[layer] = str(row.slots)
+    return moved
+
+
+def _recorded_layers(incarnation_id: int, version: int, version_row: Any) -> tuple[int, ...]:
+    try:
+        return tuple(int(layer) for layer in json.loads(version_row.layers))
+    except (ValueError, TypeError) as exc:
+        raise WalkInconsistency(
+            f"incarnation {incarnation_id} version {version}: its layers column is not a JSON list"
+        ) from exc
+
+
+def walk_versions(conn: Connection, inc: Incarnation) -> Iterator[VersionStep]:
+    """Every held version of ``inc``, from the reconstructible floor to the current one."""
+    i = inc.incarnation_id
+    floor = reader.reconstructible_from(conn, i)
+    row_jsons, rows = _floor_map(conn, inc, floor)
+    floor_layers = _layers_written_at(conn, i, floor)
+    versions = _held_versions(conn, i, floor)
+    later = _LaterRows(conn, i, floor)
+    for index, version_row in enumerate(versions):
         version = int(version_row.version)
         written: list[int] = []
         moved: int | None = None
-        if first:
+        if index == 0:
             written = floor_layers
         else:
             moved = 0
-            while next_row is not None and next_row.version <= version:
-                row, next_row = next_row, next(later_rows, None)
-                if row.version != version:
-                    raise _orphan(i, row)
-                layer = int(row.layer)
-                if not 0 <= layer < inc.geometry.num_layers:
-                    raise WalkInconsistency(
-                        f"incarnation {i} version {version} has a row for layer {layer}, "
-                        f"outside 0..{inc.geometry.num_layers - 1}"
-                    )
-                new = _parse_row(row.slots, inc, layer, version)
-                moved += sum(1 for a, b in zip(rows[layer], new, strict=True) if a != b)
-                rows[layer] = new
-                row_jsons[layer] = str(row.slots)
-                written.append(layer)
-        first = False
-        try:
-            recorded_layers = tuple(int(layer) for layer in json.loads(version_row.layers))
-        except (ValueError, TypeError) as exc:
-            raise WalkInconsistency(
-                f"incarnation {i} version {version}: its layers column is not a JSON list"
-            ) from exc
+            for row in later.of_version(version):
+                moved += _apply_row(inc, version, row, rows, row_jsons)
+                written.append(int(row.layer))
         yield VersionStep(
             version=version,
             committed_at=str(version_row.committed_at),
             engine_id=version_row.engine_id,
             recorded_digest=str(version_row.digest),
-            recorded_layers=recorded_layers,
+            recorded_layers=_recorded_layers(i, version, version_row),
             written_layers=tuple(written),
             row_jsons=tuple(row_jsons),
             moved_slots=moved,
         )
-    if next_row is not None:
-        raise _orphan(i, next_row)
+    later.finish()
 
 
 def _orphan(incarnation_id: int, row: Any) -> WalkInconsistency:

@@ -189,3 +189,14 @@ def test_upgrade_refuses_a_ledger_newer_than_this_code_and_changes_nothing(tmp_p
         f"upgrade the sglang-expert-layout-ledger package\n"
     )
     assert dump(path) == before
+
+
+def test_upgrade_fails_at_once_while_a_daemon_owns_a_ledger_already_at_head(tmp_path, capsys):
+    path = build("clean", tmp_path / "l.sqlite")
+    daemon = Ledger.open(path)  # holds the one-writer lock, as a running daemon does
+    try:
+        _assert_refused_as_owned(capsys, path, "upgrade", str(path))
+        _assert_refused_as_owned(capsys, path, "upgrade", str(path), "--json")
+    finally:
+        daemon.close()
+    assert run_cli(capsys, "upgrade", str(path))[0] == exit_codes.OK

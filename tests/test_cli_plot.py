@@ -89,3 +89,26 @@ def test_plot_into_a_missing_directory_fails_in_one_line(clean, tmp_path, capsys
         f"layout-ledger plot: error: cannot write {output}: the directory {output.parent} does "
         f"not exist\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("suffix", "signature"),
+    [(".svg", b"<?xml"), (".pdf", b"%PDF-"), (".PNG", PNG_SIGNATURE)],
+)
+def test_plot_writes_the_format_its_suffix_names(clean, tmp_path, capsys, suffix, signature):
+    output = tmp_path / f"layout{suffix}"
+    code, out, err = run_cli(capsys, "plot", str(clean), "-o", str(output))
+    assert (code, err) == (exit_codes.OK, "")
+    assert out.startswith(f"wrote {output} (1200x800): ")
+    assert output.read_bytes().startswith(signature)
+
+
+def test_plot_refuses_a_suffix_it_cannot_write_naming_the_accepted_ones(clean, tmp_path, capsys):
+    output = tmp_path / "layout.jpg"
+    code, out, err = run_cli(capsys, "plot", str(clean), "-o", str(output))
+    assert (code, out) == (exit_codes.FAILED, "")
+    assert err == (
+        f"layout-ledger plot: error: name the picture *.png, *.svg or *.pdf (got {output}): plot "
+        "writes the format its suffix names\n"
+    )
+    assert not output.exists()

@@ -7,7 +7,9 @@ Every ledger here was written through ``Ledger``/``LayoutRecord`` with a fixed c
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import stat
 from pathlib import Path
 
 import pytest
@@ -280,13 +282,25 @@ def test_show_an_older_version_and_some_layers(ledgers, capsys):
     )
 
 
-def test_show_with_an_ep_size_that_does_not_divide_the_slots_prints_whole_rows(ledgers, capsys):
-    code, out, _ = run_cli(capsys, "show", str(ledgers["clean"]), "--ep-size", "4", "--layers", "1")
-    assert code == exit_codes.OK
-    assert out == (
-        "physical_to_logical_map num_layers=4 num_physical_experts=6 ep_size=4\n"
-        "layer=1: physical=[0,1,3,2,0,1]\n"
+@pytest.mark.parametrize("command", ["show", "plot", "export"])
+def test_an_ep_size_that_does_not_divide_the_slots_is_refused_alike_by_show_plot_and_export(
+    ledgers, tmp_path, capsys, command
+):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    argv = [command, str(ledgers["clean"]), "--ep-size", "4"]
+    if command == "plot":
+        argv += ["-o", str(tmp_path / "out.png")]
+    if command == "export":
+        argv += ["-o", str(tmp_path / "out.json"), "--check", "--model-path", str(model)]
+    code, out, err = run_cli(capsys, *argv)
+    assert (code, out) == (exit_codes.FAILED, "")
+    assert err == (
+        f"layout-ledger {command}: error: --ep-size 4 does not divide the 6 physical slots per "
+        "layer; pass the EP size the engines run with\n"
     )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_show_of_a_ledger_mid_move_prints_the_last_committed_map(ledgers, capsys):
@@ -444,6 +458,54 @@ def test_export_refuses_a_file_name_sglang_would_parse_as_inline_json(ledgers, c
     assert code == exit_codes.FAILED
     assert "name the output file *.json" in err
     assert not output.exists()
+
+
+def test_export_of_a_ledger_mid_move_says_a_move_is_pending(ledgers, capsys, tmp_path):
+    output = tmp_path / "pending.json"
+    code, out, _ = run_cli(capsys, "export", str(ledgers["mid_move"]), "-o", str(output))
+    assert code == exit_codes.OK
+    assert out.splitlines()[2:] == [
+        f"note: a move is pending (engine 'engine-a', layers 0-1, from version 1, since "
+        f"{at(4)}); the file holds the last committed layout, which that move changes when it "
+        "commits"
+    ]
+    _, out, _ = run_cli(capsys, "export", str(ledgers["mid_move"]), "-o", str(output), "--json")
+    exported = json.loads(out)
+    assert exported["pending"] == {"engine_id": "engine-a", "layers": [0, 1], "base_version": 1}
+    _, out, _ = run_cli(capsys, "export", str(ledgers["clean"]), "-o", str(output), "--json")
+    assert json.loads(out)["pending"] is None
+
+
+def test_export_check_that_fails_writes_nothing_and_keeps_an_earlier_file(
+    ledgers, capsys, tmp_path
+):
+    output = tmp_path / "layout.json"
+    output.write_text("an earlier export\n")
+    no_model = tmp_path / "no-model"
+    no_model.mkdir()
+    argv = ["export", str(ledgers["clean"]), "-o", str(output), "--check"]
+    code, out, err = run_cli(capsys, *argv, "--model-path", str(no_model))
+    assert (code, out) == (exit_codes.FAILED, "")
+    assert err == f"layout-ledger export: error: --model-path {no_model} has no config.json\n"
+    assert output.read_text() == "an earlier export\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layout.json", "no-model"]
+
+
+def test_export_syncs_the_file_and_then_its_directory_to_disk(
+    ledgers, capsys, tmp_path, monkeypatch
+):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        mode = os.fstat(fd).st_mode
+        synced.append("directory" if stat.S_ISDIR(mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    code, _, _ = run_cli(capsys, "export", str(ledgers["clean"]), "-o", str(tmp_path / "x.json"))
+    assert code == exit_codes.OK
+    assert synced == ["file", "directory"]
 
 
 # --- read-only ------------------------------------------------------------------------------

@@ -209,3 +209,9 @@ def test_no_command_but_export_check_imports_sglang_or_torch(tmp_path):
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.splitlines()[-1])
     assert outcome == {"codes": [0] * len(every_command), "heavy": []}
+
+
+@pytest.mark.timeout(300)
+def test_export_check_that_fails_leaves_no_file_behind(sglang_run):
+    assert not Path(sglang_run["exported"]).with_name("again.json").exists()
+    assert sglang_run["wrong_model"]["out"].startswith("checked ")
