@@ -53,14 +53,20 @@ class StoredEvent:
 class StoredEvents:
     """A replay's journal: each appended event must be the next stored one.
 
+    ``exact`` compares every field (``verify``, a daemon's next start); otherwise only what
+    decides the state (kind, engine, layers, base version), so that a reader can still show
+    the state of a ledger whose texts, times or digests were edited (``verify`` names those).
     Once every stored event is consumed, appends go to ``then`` (a writer journal, so that a
     daemon can end an incarnation its killed predecessor left open) or fail.
     """
 
-    def __init__(self, stored: Sequence[StoredEvent], then: Journal | None = None) -> None:
+    def __init__(
+        self, stored: Sequence[StoredEvent], then: Journal | None = None, *, exact: bool = True
+    ) -> None:
         self._stored = stored
         self._next = 0
         self._then = then
+        self._same = _same_event if exact else _same_transition
         self.record: LayoutRecord | None = None  # set by replay_incarnation, for messages
 
     def peek(self) -> StoredEvent | None:
@@ -88,16 +94,16 @@ class StoredEvents:
                 return  # the rules refuse what the history accepted: the record raises why
             if stored is None:
                 raise ReplayMismatch(_missing(event))
-            if stored.event != event:
+            if not self._same(stored.event, event):
                 raise ReplayMismatch(_differs(stored, event, self.record))
             self._next += 1
 
 
 def replay_incarnation(
-    conn: Connection, inc: Incarnation, *, then: Journal | None = None
+    conn: Connection, inc: Incarnation, *, then: Journal | None = None, exact: bool = True
 ) -> LayoutRecord:
     """The record of ``inc`` after its whole stored history (see the module docstring)."""
-    journal = StoredEvents(_stored_events(conn, inc.incarnation_id), then)
+    journal = StoredEvents(_stored_events(conn, inc.incarnation_id), then, exact=exact)
     record = LayoutRecord(
         journal, inc.incarnation_id, inc.geometry, _initial_map(conn, inc), clock=journal.clock
     )
@@ -261,6 +267,14 @@ def _initial_map(conn: Connection, inc: Incarnation) -> Map:
 
 
 # --- naming the first difference ------------------------------------------------------------
+
+
+def _same_event(stored: ev.Event, appended: ev.Event) -> bool:
+    return stored == appended
+
+
+def _same_transition(stored: ev.Event, appended: ev.Event) -> bool:
+    return _move_of(stored) + (stored.kind,) == _move_of(appended) + (appended.kind,)
 
 
 def _is_refusal(kind: str) -> bool:
