@@ -274,7 +274,7 @@ def _same_event(stored: ev.Event, appended: ev.Event) -> bool:
 
 
 def _same_transition(stored: ev.Event, appended: ev.Event) -> bool:
-    return _move_of(stored) + (stored.kind,) == _move_of(appended) + (appended.kind,)
+    return (stored.kind, *_move_of(stored)) == (appended.kind, *_move_of(appended))
 
 
 def _is_refusal(kind: str) -> bool:
