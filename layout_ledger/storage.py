@@ -1,60 +1,51 @@
-"""Opening a ledger file: file checks, the one-writer lock, and SQLite connections.
+"""Opening a ledger file: the one-writer lock, and SQLite connections for a writer or a reader.
 
-Writers: WAL journal, ``synchronous=FULL`` (a commit is on disk when it returns), foreign keys,
-a busy timeout, and ``BEGIN IMMEDIATE`` so a writer takes the write lock when its transaction
-starts instead of failing half-way through it. New files are created mode 0600; a symlink or a
-file owned by another user is refused. Exactly one writer process per ledger: it holds an
-exclusive ``flock`` on ``<ledger>.lock``, which the kernel releases however the process dies.
+Before SQLite opens anything, ``layout_ledger.files`` checks the ledger and every companion
+file beside it. Writers: WAL journal, ``synchronous=FULL`` (a commit is on disk when it
+returns), foreign keys, a busy timeout, and ``BEGIN IMMEDIATE`` so a writer takes the write
+lock when its transaction starts instead of failing half-way through it. New files are created
+mode 0600, and looser modes are tightened. Exactly one writer process per ledger *file*: it
+holds an exclusive open-file-description lock (``F_OFD_SETLK``) on the ledger's own inode, so
+the rule holds whatever path names the file (a hard link, a bind mount), the kernel releases it
+however the process dies, SQLite's own locks never touch it, and ``writer_lock_held`` can see it
+without taking it. The holder writes who it is into ``<ledger>.lock`` for error messages.
 
 Readers open the file read-only (``mode=ro``) and never block the writer; WAL lets any number
-of them (engines, the CLI, the ``sqlite3`` shell) read while the daemon writes.
+of them (engines, the CLI, the ``sqlite3`` shell) read while the daemon writes. On read-only
+media (a mounted evidence copy) a reader uses SQLite's ``immutable`` mode when no WAL content
+is present, else a private in-memory copy of the file and its WAL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
+import shutil
 import sqlite3
-import stat
+import struct
+import tempfile
 from pathlib import Path
 from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.pool import StaticPool
 
+from layout_ledger import files
 from layout_ledger.errors import LedgerFileError, LedgerLocked
 from layout_ledger.state import utc_now
 
 logger = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 5000
-FILE_MODE = 0o600
+FILE_MODE = files.FILE_MODE
 # WAL bytes kept after a checkpoint resets the log; bounds the -wal file on disk.
 JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
 
 
 def lock_path_for(path: Path) -> Path:
-    return path.with_name(path.name + ".lock")
-
-
-def _check_owned_regular_file(path: Path, what: str) -> None:
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISLNK(info.st_mode):
-        raise LedgerFileError(
-            f"{what} {path} is a symlink; refusing to follow it. Pass the real path of the "
-            f"file (or a path where a new ledger may be created)"
-        )
-    if not stat.S_ISREG(info.st_mode):
-        raise LedgerFileError(f"{what} {path} is not a regular file")
-    if info.st_uid != os.geteuid():
-        raise LedgerFileError(
-            f"{what} {path} is owned by uid {info.st_uid} but this process runs as uid "
-            f"{os.geteuid()}; run the daemon as the file's owner or give it its own ledger path"
-        )
+    return files.companion(path, ".lock")
 
 
 def _create_private(path: Path) -> None:
@@ -75,41 +66,85 @@ def _create_private(path: Path) -> None:
         os.close(fd)
 
 
+# struct flock on Linux x86-64/aarch64: l_type, l_whence, l_start, l_len, l_pid (+ padding).
+_FLOCK = "hhqqi4x"
+# The byte the writer locks: SQLite's own locks sit at 1 GiB and above, never here.
+_LOCK_BYTE = 0
+
+
+def _ofd(fd: int, command: int, lock_type: int) -> int:
+    """One open-file-description lock call on the lock byte; returns the l_type it reports."""
+    request = struct.pack(_FLOCK, lock_type, os.SEEK_SET, _LOCK_BYTE, 1, 0)
+    answer = fcntl.fcntl(fd, command, request)
+    return int(struct.unpack(_FLOCK, answer)[0])
+
+
 class WriterLock:
-    """The exclusive, kernel-released claim of one process on one ledger for writing."""
+    """The exclusive, kernel-released claim of one process on one ledger file for writing."""
 
     def __init__(self, ledger_path: Path) -> None:
         self.path = lock_path_for(ledger_path)
-        if not ledger_path.parent.is_dir():
-            raise LedgerFileError(
-                f"cannot open ledger {ledger_path}: its directory {ledger_path.parent} does not "
-                f"exist; create it or pass another ledger path"
-            )
-        _check_owned_regular_file(self.path, "ledger lock file")
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            self._fd: int | None = os.open(self.path, flags, FILE_MODE)
+            self._fd: int | None = os.open(ledger_path, flags)
         except OSError as exc:
-            raise LedgerFileError(
-                f"cannot open ledger lock file {self.path}: {exc.strerror}"
-            ) from exc
+            raise LedgerFileError(f"cannot open ledger {ledger_path}: {exc.strerror}") from exc
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 256, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            self._fd = None
+            files.check_single_name(ledger_path, os.fstat(self._fd))
+            _ofd(self._fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK)
+        except OSError as exc:
+            self.release()
+            holder = _read_note(self.path)
             raise LedgerLocked(
-                f"ledger {ledger_path} is owned by another daemon (it holds {self.path}: "
-                f"{holder}); stop that daemon, or give this one its own ledger path"
-            ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid={os.getpid()} since={utc_now()}\n".encode(), 0)
+                f"ledger {ledger_path} is owned by another daemon (it holds the ledger's writer "
+                f"lock; {self.path}: {holder}); stop that daemon, or give this one its own "
+                f"ledger path"
+            ) from exc
+        except BaseException:
+            self.release()
+            raise
+        _write_note(self.path, f"pid={os.getpid()} since={utc_now()}\n")
 
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _read_note(path: Path) -> str:
+    try:
+        with open(path, "rb") as note:
+            return note.read(256).decode(errors="replace").strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _write_note(path: Path, text: str) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, FILE_MODE)
+    except OSError as exc:
+        logger.warning("could not write the ledger's lock note %s: %s", path, exc.strerror)
+        return
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def writer_lock_held(path: str | os.PathLike[str]) -> bool | None:
+    """Whether a process holds ``path``'s writer lock, probed without taking it (None: cannot
+    tell, e.g. the file cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return _ofd(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK) != fcntl.F_UNLCK
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _apply_pragmas(conn: sqlite3.Connection, *, writer: bool) -> None:
@@ -166,11 +201,17 @@ class Writer:
         self.path = path
         if not create and not path.exists():
             raise LedgerFileError(f"ledger {path} does not exist")
-        _check_owned_regular_file(path, "ledger")
+        if not path.parent.is_dir():
+            raise LedgerFileError(
+                f"cannot open ledger {path}: its directory {path.parent} does not exist; "
+                f"create it or pass another ledger path"
+            )
+        files.check_writable(path)
         _check_ledger_or_empty(path)
+        _create_private(path)
         self._lock = WriterLock(path)
         try:
-            _create_private(path)
+            files.tighten_modes(path)
             self.engine = _engine(path, str(path), writer=True)
             self.connection: Connection = self.engine.connect()
         except BaseException:
@@ -231,11 +272,56 @@ def _check_ledger_or_empty(path: Path) -> None:
 
 
 def open_reader_engine(path: Path) -> Engine:
-    """A read-only engine; never creates or modifies the file."""
+    """A read-only engine; never creates or modifies the file or anything beside it."""
     if not path.exists():
         raise LedgerFileError(f"ledger {path} does not exist")
     if not path.is_file():
         raise LedgerFileError(f"ledger {path} is not a regular file")
     if not os.access(path, os.R_OK):
         raise LedgerFileError(f"ledger {path} is not readable by this user")
-    return _engine(path, f"file:{quote(str(path.resolve()))}?mode=ro", writer=False)
+    files.check_companions(path, os.stat(path).st_uid)
+    uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+    if os.access(path.parent, os.W_OK):
+        return _engine(path, uri, writer=False)
+    # Read-only media: SQLite cannot create the -shm a WAL reader needs beside the file.
+    wal = files.companion(path, "-wal")
+    if not wal.exists() or wal.stat().st_size == 0:
+        return _engine(path, uri + "&immutable=1", writer=False)
+    return _memory_copy_engine(path)
+
+
+def _memory_copy_engine(path: Path, attempts: int = 5) -> Engine:
+    """A private in-memory copy of the ledger and its WAL, through SQLite's backup API."""
+    wal = files.companion(path, "-wal")
+    for _ in range(attempts):
+        before = [_signature(path), _signature(wal)]
+        with tempfile.TemporaryDirectory(prefix="layout-ledger-") as scratch:
+            copy = Path(scratch) / path.name
+            shutil.copyfile(path, copy)
+            shutil.copyfile(wal, files.companion(copy, "-wal"))
+            if [_signature(path), _signature(wal)] != before:
+                continue  # a writer changed the files while they were copied
+            memory = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+            with contextlib.closing(sqlite3.connect(copy)) as source:
+                source.backup(memory)
+        return _engine_on(path, memory)
+    raise LedgerFileError(
+        f"ledger {path} kept changing while it was copied from its read-only directory; retry"
+    )
+
+
+def _signature(path: Path) -> tuple[int, int]:
+    info = os.stat(path)
+    return info.st_size, info.st_mtime_ns
+
+
+def _engine_on(path: Path, conn: sqlite3.Connection) -> Engine:
+    """A reader's engine over one connection that is already open (an in-memory copy)."""
+    _apply_pragmas(conn, writer=False)
+    engine = create_engine("sqlite://", creator=lambda: conn, poolclass=StaticPool)
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN")
+
+    return engine

@@ -35,7 +35,8 @@ def add_ledger_args(parser: argparse.ArgumentParser) -> None:
         help=(
             "path template of the expert layout ledger, with {device_uuid} "
             f"(env {ledger_paths.LEDGER_TEMPLATE_ENV}; default: "
-            f"{ledger_paths.LEDGER_FILE_TEMPLATE} beside the daemon socket)"
+            f"{ledger_paths.LEDGER_DIRECTORY}/{ledger_paths.LEDGER_FILE_TEMPLATE} beside the "
+            f"daemon socket, in a private directory)"
         ),
     )
     parser.add_argument(

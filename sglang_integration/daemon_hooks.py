@@ -229,7 +229,7 @@ def _open_record_after_load(daemon: Any) -> tuple[Ledger | None, LayoutRecord | 
         num_physical_slots=int(metadata.num_physical_experts),
         num_logical_experts=int(metadata.num_logical_experts),
     )
-    path = ledger_paths.ledger_path(current_platform.get_device_uuid(daemon.gpu_id))
+    path = ledger_paths.prepare_ledger_path(current_platform.get_device_uuid(daemon.gpu_id))
     ledger, record = open_ledger_record(
         path,
         geometry,

@@ -4,8 +4,10 @@ One ledger file per daemon, i.e. per physical GPU. Like sglang's own daemon file
 (``sglang/srt/weight_cache/protocol.py``: ``get_socket_path`` fills
 ``SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE``, default ``/tmp/sglang_weight_cache_{device_uuid}.sock``,
 and refuses a template without ``{device_uuid}``), the path comes from a template keyed by the
-device UUID. By default the ledger lies beside the daemon's socket:
-``<socket template's directory>/sglang_expert_layout_{device_uuid}.sqlite``.
+device UUID. By default the ledger lies beside the daemon's socket, in a private directory
+(0700, this user's, created when missing, refused when someone else's or loosened: sglang's
+default socket directory, ``/tmp``, is world-writable):
+``<socket template's directory>/sglang_expert_layouts/sglang_expert_layout_{device_uuid}.sqlite``.
 
 Overrides, strongest first: the daemon launcher's ``--expert-layout-ledger`` flag (which sets the
 environment variable below, so the daemons it spawns see it too), then
@@ -22,6 +24,7 @@ child inherits the environment but none of the parent's parsed flags.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Retention
 
@@ -30,6 +33,7 @@ KEEP_VERSIONS_ENV = "SGLANG_EXPERT_LAYOUT_KEEP_VERSIONS"
 PRUNE_EVERY_ENV = "SGLANG_EXPERT_LAYOUT_PRUNE_EVERY"
 
 LEDGER_FILE_TEMPLATE = "sglang_expert_layout_{device_uuid}.sqlite"
+LEDGER_DIRECTORY = "sglang_expert_layouts"
 PLACEHOLDER = "{device_uuid}"
 
 
@@ -45,8 +49,19 @@ def socket_template() -> str:
 
 
 def default_ledger_template(socket_path_template: str) -> str:
-    """The ledger template beside a socket template (same directory)."""
-    return os.path.join(os.path.dirname(socket_path_template), LEDGER_FILE_TEMPLATE)
+    """The ledger template beside a socket template (its private subdirectory)."""
+    directory = os.path.join(os.path.dirname(socket_path_template), LEDGER_DIRECTORY)
+    return os.path.join(directory, LEDGER_FILE_TEMPLATE)
+
+
+def prepare_ledger_path(device_uuid: str) -> str:
+    """The daemon's ledger path; the default location's private directory is made ready."""
+    path = ledger_path(device_uuid)
+    if not os.environ.get(LEDGER_TEMPLATE_ENV):
+        from layout_ledger.files import ensure_private_directory
+
+        ensure_private_directory(Path(path).parent)
+    return path
 
 
 def ledger_template() -> str:

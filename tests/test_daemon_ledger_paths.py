@@ -37,12 +37,16 @@ def clean_env() -> Iterator[None]:
 
 def test_the_default_ledger_lies_beside_sglangs_default_socket() -> None:
     assert ledger_paths.socket_template() == "/tmp/sglang_weight_cache_{device_uuid}.sock"
-    assert ledger_paths.ledger_path("GPU-1234") == "/tmp/sglang_expert_layout_GPU-1234.sqlite"
+    assert ledger_paths.ledger_path("GPU-1234") == (
+        "/tmp/sglang_expert_layouts/sglang_expert_layout_GPU-1234.sqlite"
+    )
 
 
 def test_the_ledger_follows_a_moved_socket_template(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SOCKET_ENV, "/run/wc/{device_uuid}/daemon.sock")
-    assert ledger_paths.ledger_path("GPU-9") == "/run/wc/GPU-9/sglang_expert_layout_GPU-9.sqlite"
+    assert ledger_paths.ledger_path("GPU-9") == (
+        "/run/wc/GPU-9/sglang_expert_layouts/sglang_expert_layout_GPU-9.sqlite"
+    )
 
 
 def test_the_env_var_overrides_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,3 +122,17 @@ def test_the_launcher_refuses_a_bad_ledger_template_before_starting_anything(
     assert exit_info.value.code == 2
     assert "must contain '{device_uuid}'" in capsys.readouterr().err
     assert ledger_paths.LEDGER_TEMPLATE_ENV not in os.environ
+
+
+def test_the_daemon_makes_the_default_ledger_directory_private(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    import stat
+
+    monkeypatch.setenv(SOCKET_ENV, f"{tmp_path}/wc_{{device_uuid}}.sock")
+    path = ledger_paths.prepare_ledger_path("GPU-7")
+    assert path == f"{tmp_path}/sglang_expert_layouts/sglang_expert_layout_GPU-7.sqlite"
+    assert stat.S_IMODE(os.stat(tmp_path / "sglang_expert_layouts").st_mode) == 0o700
+    monkeypatch.setenv(ledger_paths.LEDGER_TEMPLATE_ENV, f"{tmp_path}/mine/{{device_uuid}}.db")
+    assert ledger_paths.prepare_ledger_path("GPU-7") == f"{tmp_path}/mine/GPU-7.db"
+    assert not (tmp_path / "mine").exists()  # a chosen location is the operator's to prepare
