@@ -34,7 +34,7 @@ NOBODY = 65534
 def _can_mount() -> bool:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False)
     return probe.returncode == 0
 
 
@@ -47,7 +47,11 @@ def _in_mount_namespace(mounts: str, python: str) -> subprocess.CompletedProcess
     """Run ``python`` (a script) after the shell ``mounts``, in a private mount namespace."""
     script = f"set -e\n{mounts}\nexec {sys.executable} -c {_quote(textwrap.dedent(python))}\n"
     return subprocess.run(
-        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120
+        ["unshare", "-m", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
