@@ -14,7 +14,12 @@ from typing import ClassVar
 from sqlalchemy.exc import DBAPIError
 
 from layout_ledger import reader
-from layout_ledger.errors import LedgerFileError, LedgerStorageError, SchemaOutdated
+from layout_ledger.errors import (
+    LedgerFileError,
+    LedgerInconsistent,
+    LedgerStorageError,
+    SchemaOutdated,
+)
 from layout_ledger.json_shape import JsonShaped
 from layout_ledger.ledger import Ledger
 from layout_ledger.migrate import file_revision, upgrade_to_head
@@ -63,6 +68,7 @@ def prune_ledger(path: str | Path, keep: int, incarnation_id: int | None = None)
     LedgerReader(path).close()
     ledger = Ledger.open(path)
     try:
+        _refuse_inconsistent(path)
         removed = {
             report.incarnation_id: report.rows_removed
             for report in ledger.prune(keep, incarnation_id)
@@ -85,6 +91,20 @@ def prune_ledger(path: str | Path, keep: int, incarnation_id: int | None = None)
     finally:
         ledger.close()
     return PruneResult(str(path), keep, pruned)
+
+
+def _refuse_inconsistent(path: Path) -> None:
+    """Prune never destroys evidence: it runs only on a ledger that passes ``verify``."""
+    from layout_ledger.verify import collect_verify
+
+    with LedgerReader(path) as ledger:
+        report = collect_verify(ledger)
+    if not report.ok:
+        raise LedgerInconsistent(
+            f"prune refused, the ledger fails verification (first: "
+            f"{report.first_inconsistency}); nothing was removed. Find out what changed it "
+            f"(`layout-ledger verify {path}`) and keep a copy before pruning it"
+        )
 
 
 def render_prune(result: PruneResult) -> list[str]:

@@ -32,6 +32,7 @@ from layout_ledger import admin, exit_codes, report
 from layout_ledger.errors import (
     LedgerError,
     LedgerFileError,
+    LedgerInconsistent,
     LedgerStorageError,
     SchemaOutdated,
     SchemaTooNew,
@@ -529,7 +530,8 @@ VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
 EPILOG = (
     "exit codes: 0 ok; 1 the command could not do what was asked; 2 bad arguments or no usable "
     "ledger file; 3 (status) dirty; 4 (status) move pending or refusals seen; 5 verify or "
-    "export --check found an inconsistency; 130 interrupted"
+    "export --check found an inconsistency, or prune refused a ledger that fails verify; 130 "
+    "interrupted"
 )
 
 
@@ -602,6 +604,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UNUSABLE_ERRORS as exc:
         _error(args.command, str(exc))
         return exit_codes.UNUSABLE
+    except LedgerInconsistent as exc:
+        _error(args.command, str(exc))
+        return exit_codes.INCONSISTENT
     except LedgerError as exc:
         _error(args.command, str(exc))
         return exit_codes.FAILED

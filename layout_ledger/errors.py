@@ -27,6 +27,10 @@ class SchemaTooNew(LedgerError):
     """The file's schema is newer than this code knows."""
 
 
+class LedgerInconsistent(LedgerError):
+    """The ledger fails ``verify``; a command that would delete evidence refused to run."""
+
+
 class SchemaOutdated(LedgerError):
     """A read-only opener found an older schema that only a writer may upgrade."""
 

@@ -17,7 +17,8 @@ UNUSABLE = 2
 DIRTY = 3
 # status: a move is pending, or the daemon refused requests in this incarnation.
 PENDING_OR_REFUSALS = 4
-# verify found an inconsistency; export --check found sglang's metadata differs from the ledger.
+# verify found an inconsistency; export --check found sglang's metadata differs from the ledger;
+# prune refused a ledger that fails verify (it never deletes evidence).
 INCONSISTENT = 5
 # Interrupted with Ctrl-C.
 INTERRUPTED = 130

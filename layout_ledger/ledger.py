@@ -28,6 +28,7 @@ from sqlalchemy.exc import DBAPIError
 from layout_ledger import events as ev
 from layout_ledger import maintenance, reader, replay
 from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
+from layout_ledger.event_log import EventLog
 from layout_ledger.layout import Geometry, Map, validate_map
 from layout_ledger.maintenance import CheckpointResult, Maintenance
 from layout_ledger.migrate import upgrade_to_head
@@ -86,6 +87,7 @@ class Ledger:
         except BaseException:
             self._writer.close()
             raise
+        self._events = EventLog(self._writer.driver())
         self.record: LayoutRecord | None = None
         self.maintenance: Maintenance | None = None
 
@@ -102,8 +104,13 @@ class Ledger:
             try:
                 with self._conn.begin():
                     yield self._conn
-            except DBAPIError as exc:
-                raise LedgerStorageError(f"{action} ledger {self.path} failed: {exc.orig}") from exc
+            except BaseException as exc:
+                self._events.reload(self._writer.driver())
+                if isinstance(exc, DBAPIError):
+                    raise LedgerStorageError(
+                        f"{action} ledger {self.path} failed: {exc.orig}"
+                    ) from exc
+                raise
 
     @contextmanager
     def _journal_transaction(self) -> Iterator[sqlite3.Connection]:
@@ -129,6 +136,8 @@ class Ledger:
                     if not joined and driver.in_transaction:
                         with contextlib.suppress(sqlite3.Error):
                             driver.execute("ROLLBACK")
+                    if not joined:
+                        self._events.reload(driver)
                     raise
             except sqlite3.Error as exc:
                 raise LedgerStorageError(f"writing to ledger {self.path} failed: {exc}") from exc
@@ -220,9 +229,28 @@ class Ledger:
         )
 
     def _prune_live_incarnation(self) -> None:
+        """The daemon's retention (maintenance thread): check what it drops, then prune."""
         record = self.record
-        if record is not None:
-            self.prune(self.retention.keep_versions, record.incarnation_id, refuse_pending=False)
+        if record is None:
+            return
+        from layout_ledger.verify import inconsistency_before
+
+        keep_from = record.version - self.retention.keep_versions + 1
+        if keep_from <= 0:
+            return
+        # Read on a snapshot of its own, outside the writer's lock: requests go on meanwhile.
+        with reader.LedgerReader(self.path) as snapshot:
+            problem = inconsistency_before(snapshot, record.incarnation_id, keep_from)
+        if problem is not None:
+            logger.error(
+                "expert layout ledger %s: retention skipped, the rows it would delete are not "
+                "what the ledger recorded (%s); run `layout-ledger verify %s`",
+                self.path,
+                problem,
+                self.path,
+            )
+            return
+        self.prune(self.retention.keep_versions, record.incarnation_id, refuse_pending=False)
 
     def _prune_quietly(self) -> None:
         try:
@@ -281,7 +309,7 @@ class Ledger:
                 else reader.incarnations(conn)
             )
             for inc in targets:
-                report = _prune_one(conn, inc, keep_versions, refuse_pending)
+                report = _prune_one(conn, self._events, inc, keep_versions, refuse_pending)
                 if report is not None:
                     reports.append(report)
         return reports
@@ -301,25 +329,31 @@ class LedgerJournal:
 
     def append(self, events: Sequence[ev.Event], rows: Mapping[int, str] | None = None) -> None:
         """Events (with a start's or commit's version and rows) and an end's incarnation update."""
-        with self.ledger._journal_transaction() as driver:
+        ledger = self.ledger
+        with ledger._journal_transaction() as driver:
             if rows is not None:
                 (versioned,) = events
                 _insert_version(driver, self.incarnation_id, versioned, rows)
-            else:
-                _insert_events(driver, self.incarnation_id, events)
+            ledger._events.write(driver, self.incarnation_id, events)
             for event in events:
                 if event.kind == ev.END:
                     _mark_ended(driver, self.incarnation_id, event)
-        if any(event.kind == ev.COMMIT for event in events) and self.ledger.maintenance:
-            self.ledger.maintenance.note_commit()
+        committed = events[-1].kind == ev.COMMIT
+        if committed and ledger._events.head is not None:
+            # A copy of this log proves what the file held (layout_ledger.chain).
+            logger.info(
+                "expert layout ledger %s: version %s committed; event chain head %s (event #%d)",
+                ledger.path,
+                events[-1].new_version,
+                ledger._events.head.value,
+                ledger._events.head.event_id,
+            )
+        if ledger.maintenance is not None:
+            ledger.maintenance.note_append(commit=committed)
 
 
 # The hot path (every commit) inserts with prepared driver SQL and tuples; the statements name
 # the same columns as ``schema``'s tables, which the schema drift test pins.
-_INSERT_EVENT = (
-    "INSERT INTO events (incarnation_id, at, kind, engine_id, layers, base_version, "
-    "new_version, digest_after, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
-)
 _INSERT_VERSION = (
     "INSERT INTO versions (incarnation_id, version, digest, committed_at, engine_id, layers) "
     "VALUES (?, ?, ?, ?, ?, ?)"
@@ -361,32 +395,10 @@ def _insert_incarnation(
     return int(cursor.lastrowid)
 
 
-def _insert_events(
-    driver: sqlite3.Connection, incarnation_id: int, events: Sequence[ev.Event]
-) -> None:
-    driver.executemany(
-        _INSERT_EVENT,
-        [
-            (
-                incarnation_id,
-                event.at,
-                event.kind,
-                event.engine_id,
-                event.layers_json(),
-                event.base_version,
-                event.new_version,
-                event.digest_after,
-                event.reason,
-            )
-            for event in events
-        ],
-    )
-
-
 def _insert_version(
     driver: sqlite3.Connection, incarnation_id: int, event: ev.Event, rows: Mapping[int, str]
 ) -> None:
-    """A version's versions row, layout rows and event, in the caller's transaction."""
+    """A version's versions row and layout rows, in the caller's transaction."""
     version = event.new_version
     if version is None or event.digest_after is None or event.layers is None:
         raise LedgerError(f"a {event.kind} event needs new_version, digest_after and layers")
@@ -404,7 +416,6 @@ def _insert_version(
     driver.executemany(
         _INSERT_ROW, [(incarnation_id, layer, version, slots) for layer, slots in rows.items()]
     )
-    _insert_events(driver, incarnation_id, [event])
 
 
 def _mark_ended(driver: sqlite3.Connection, incarnation_id: int, end: ev.Event) -> None:
@@ -417,7 +428,11 @@ def _mark_ended(driver: sqlite3.Connection, incarnation_id: int, end: ev.Event) 
 
 
 def _prune_one(
-    conn: Connection, inc: reader.Incarnation, keep_versions: int, refuse_pending: bool
+    conn: Connection,
+    events: EventLog,
+    inc: reader.Incarnation,
+    keep_versions: int,
+    refuse_pending: bool,
 ) -> PruneReport | None:
     live = inc.ended_at is None and refuse_pending
     pending = reader.replayed(conn, inc).pending if live else None
@@ -440,7 +455,7 @@ def _prune_one(
         ),
         {"i": inc.incarnation_id, "keep": keep_from},
     ).rowcount
-    _insert_events(
+    events.write(
         _driver_of(conn),
         inc.incarnation_id,
         [

@@ -1,42 +1,53 @@
 """Keeping a daemon's ledger bounded off the request path: WAL checkpoints and retention.
 
 A commit's durability is its own fsync of the WAL; copying the WAL back into the database
-(a checkpoint) and pruning old rows are bookkeeping that must not add to a commit's latency.
-One background thread per ledger does both, woken after commits:
+(a checkpoint) and pruning old rows are bookkeeping that must never delay a request. One
+background thread per ledger does both, woken after appends (every ``CHECKPOINT_EVERY``, sooner
+while the WAL is large, and when a prune is due):
 
-- a PASSIVE checkpoint on the thread's own connection, which runs alongside the writer;
-- every ``Retention.prune_every`` commits, ``Ledger.prune`` to the last
-  ``Retention.keep_versions`` versions (a short write transaction of its own).
+- a PASSIVE checkpoint on the thread's own connection, which runs alongside the writer and
+  never waits for anyone;
+- past ``WAL_TRUNCATE_BYTES``, a TRUNCATE checkpoint under the writer's own (Python) lock, so
+  that no commit is mid-flight, with SQLite's busy timeout at 0: a reader that holds an old
+  snapshot (``sqlite3 LEDGER`` with an open ``BEGIN``) makes it give up at once instead of
+  waiting, with the writer's lock held, for the busy timeout;
+- every ``Retention.prune_every`` commits, ``Ledger.prune`` to the last ``keep_versions``.
 
-The writer connection's automatic checkpoint is switched off while the thread runs, so no
-commit ever pays for one. A checkpoint that cannot reset a large WAL logs a warning that a
-reader holds an old snapshot.
+The writer connection's automatic checkpoint is off, so no commit ever pays for one. While a
+reader pins the WAL, nothing can shrink it: that is reported (``WalPin``) once when the WAL
+passes ``WAL_WARN_BYTES``, again each time it doubles, and once when the reader lets go.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 from layout_ledger.errors import LedgerError, LedgerStorageError
-from layout_ledger.storage import BUSY_TIMEOUT_MS
 
 logger = logging.getLogger(__name__)
 
 # A checkpoint that cannot reset the WAL past this size means a reader holds an old snapshot.
 WAL_WARN_BYTES = 32 * 1024 * 1024
-# Past this size, a PASSIVE checkpoint is followed by a TRUNCATE one, which briefly waits for
-# the writer: under a steady stream of commits the writer is always mid-transaction when a
-# PASSIVE checkpoint finishes, so it never restarts the log and the file would only grow.
-WAL_TRUNCATE_BYTES = 16 * 1024 * 1024
-# Wake the thread for a checkpoint every this many commits (an all-layer commit of a
-# DeepSeek-V3-sized map is ~25 WAL pages, so this keeps the WAL near SQLite's own 1000 pages).
+# Past this size a PASSIVE checkpoint is followed by a TRUNCATE one: under a steady stream of
+# appends a PASSIVE checkpoint rarely finishes between two of them, so the writer never
+# restarts the log (it must find every frame copied when it begins) and the file would only
+# grow. The TRUNCATE pass copies what the PASSIVE one left (a few appends) and empties the file.
+WAL_TRUNCATE_BYTES = 2 * 1024 * 1024
+# Wake the thread for a checkpoint every this many appends (an all-layer commit of a
+# DeepSeek-V3-sized map is ~25 WAL pages, so this keeps the WAL near SQLite's own 1000 pages),
+# and every WAKE_EVERY_WHEN_LARGE appends while the WAL is over WAL_WAKE_BYTES (a flood of
+# refusals appends small transactions that a count alone would let pile up).
 CHECKPOINT_EVERY = 32
+WAL_WAKE_BYTES = 4 * 1024 * 1024
+WAKE_EVERY_WHEN_LARGE = 8
 IDLE_WAKE_SECONDS = 60.0
 
 
@@ -61,30 +72,66 @@ def wal_bytes(path: Path) -> int:
     return wal.stat().st_size if wal.exists() else 0
 
 
+@contextlib.contextmanager
+def _no_waiting(conn: sqlite3.Connection) -> Iterator[None]:
+    """SQLite's busy timeout at 0 for the block (a blocked checkpoint gives up at once)."""
+    (saved,) = conn.execute("PRAGMA busy_timeout").fetchone()
+    conn.execute("PRAGMA busy_timeout=0")
+    try:
+        yield
+    finally:
+        conn.execute(f"PRAGMA busy_timeout={int(saved)}")
+
+
 def checkpoint(conn: sqlite3.Connection, path: Path, *, truncate: bool = False) -> CheckpointResult:
-    """Run a checkpoint on ``conn`` (outside any transaction) and warn if a reader starves it."""
+    """Run a checkpoint on ``conn`` (outside any transaction); TRUNCATE never waits."""
     mode = "TRUNCATE" if truncate else "PASSIVE"
     try:
-        # fetchall: a statement left unfinished would hold a read lock on the WAL and keep the
-        # next writer from restarting it, so the file would grow however often we checkpoint.
-        (row,) = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchall()
+        with _no_waiting(conn):
+            # fetchall: a statement left unfinished would hold a read lock on the WAL and keep
+            # the next writer from restarting it, so the file would grow however often we
+            # checkpoint.
+            (row,) = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchall()
     except sqlite3.Error as exc:
         raise LedgerStorageError(f"checkpointing ledger {path} failed: {exc}") from exc
-    size = wal_bytes(path)
-    result = CheckpointResult(bool(row[0]), int(row[1]), int(row[2]), size)
-    if size > WAL_WARN_BYTES and not result.complete:
-        logger.warning(
-            "expert layout ledger %s: the WAL is %d MiB and a checkpoint could not reset it; "
-            "a reader has held one snapshot open for a long time (close long-running sqlite3 "
-            "sessions on this file)",
-            path,
-            size // (1024 * 1024),
-        )
-    return result
+    return CheckpointResult(bool(row[0]), int(row[1]), int(row[2]), wal_bytes(path))
+
+
+class WalPin:
+    """Reports a reader that keeps the WAL from being reset, and how far it grew meanwhile."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.since: float | None = None
+        self._reported = 0
+
+    def observe(self, result: CheckpointResult) -> None:
+        if result.complete or result.wal_bytes < WAL_WARN_BYTES:
+            if self.since is not None and result.complete:
+                logger.info(
+                    "expert layout ledger %s: the reader that held the WAL let go after %.0f s; "
+                    "the WAL is reset",
+                    self.path,
+                    time.monotonic() - self.since,
+                )
+                self.since, self._reported = None, 0
+            return
+        if self.since is None:
+            self.since = time.monotonic()
+        if result.wal_bytes >= 2 * self._reported:
+            self._reported = result.wal_bytes
+            logger.warning(
+                "expert layout ledger %s: a reader has held one snapshot open for a long time "
+                "(%.0f s), so the WAL cannot be reset; it is %d MiB and grows with every commit "
+                "(close long-running sqlite3 sessions on this file; commits are not slowed)",
+                self.path,
+                time.monotonic() - self.since,
+                result.wal_bytes // (1024 * 1024),
+            )
 
 
 class Maintenance:
-    """The background thread of one ledger; ``note_commit`` after each commit."""
+    """The background thread of one ledger; ``note_append`` after each journal append."""
 
     def __init__(
         self,
@@ -97,8 +144,11 @@ class Maintenance:
         self._writer_lock = writer_lock
         self._prune = prune
         self._prune_every = prune_every
+        self._appends = 0
+        self._appends_at_wake = 0
         self._commits = 0
         self._commits_at_prune = 0
+        self.pin = WalPin(path)
         self._wake = threading.Event()
         self._stopping = False
         self._idle = threading.Event()
@@ -108,9 +158,13 @@ class Maintenance:
         )
         self._thread.start()
 
-    def note_commit(self) -> None:
-        self._commits += 1
-        if self._commits % CHECKPOINT_EVERY == 0 or self._prune_due():
+    def note_append(self, *, commit: bool = False) -> None:
+        self._appends += 1
+        self._commits += commit
+        since = self._appends - self._appends_at_wake
+        large = since >= WAKE_EVERY_WHEN_LARGE and wal_bytes(self.path) > WAL_WAKE_BYTES
+        if since >= CHECKPOINT_EVERY or large or self._prune_due():
+            self._appends_at_wake = self._appends
             self._idle.clear()
             self._wake.set()
 
@@ -128,7 +182,6 @@ class Maintenance:
 
     def _run(self) -> None:
         conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
-        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         try:
             while not self._stopping:
                 self._wake.wait(IDLE_WAKE_SECONDS)
@@ -147,13 +200,13 @@ class Maintenance:
             if self._prune_due():
                 self._commits_at_prune = self._commits
                 self._prune()
-            checkpoint(conn, self.path)
-            if wal_bytes(self.path) > WAL_TRUNCATE_BYTES:
-                # Under the writer's own lock: no commit is mid-flight, so SQLite never makes
-                # one sleep in its busy handler, and the PASSIVE pass just above left only a
-                # few frames to copy.
+            result = checkpoint(conn, self.path)
+            if result.wal_bytes > WAL_TRUNCATE_BYTES and result.complete:
+                # Under the writer's own lock: no commit is mid-flight, and the PASSIVE pass
+                # just above left only the frames of commits made since to copy.
                 with self._writer_lock:
-                    checkpoint(conn, self.path, truncate=True)
+                    result = checkpoint(conn, self.path, truncate=True)
+            self.pin.observe(result)
         except LedgerError as exc:
             # Commits are durable already; retention only bounds the file. Never fail a request.
             logger.warning("expert layout ledger %s: maintenance failed: %s", self.path, exc)

@@ -133,6 +133,9 @@ class EventRow(JsonShaped):
     new_version: int | None
     digest_after: str | None
     reason: str | None
+    count: int = 1  # identical consecutive refusals on one row
+    last_at: str | None = None  # the time of the last of them
+    chain: str | None = None  # the events' hash chain value (layout_ledger.chain)
 
     @classmethod
     def from_row(cls, row: Any) -> EventRow:
@@ -147,6 +150,9 @@ class EventRow(JsonShaped):
             new_version=row.new_version,
             digest_after=row.digest_after,
             reason=row.reason,
+            count=int(row.count),
+            last_at=row.last_at,
+            chain=row.chain,
         )
 
 
@@ -168,6 +174,8 @@ def render_event(event: EventRow) -> str:
         parts.append(f"version={event.new_version}")
     if event.digest_after is not None:
         parts.append(f"digest={event.digest_after[:12]}")
+    if event.count > 1:
+        parts.append(f"x{event.count} until {event.last_at}")
     line = " ".join(parts)
     if event.reason:
         line += f"  ({event.reason})"
@@ -255,7 +263,10 @@ def collect_status(ledger: LedgerReader, incarnation_id: int | None = None) -> S
         derived = reader.replayed(conn, inc)
         count = conn.execute(text("SELECT count(*) FROM incarnations")).scalar()
         refusals = conn.execute(
-            text("SELECT count(*) FROM ledger_events WHERE incarnation_id = :i AND kind LIKE :k"),
+            text(
+                "SELECT coalesce(sum(count), 0) FROM ledger_events "
+                "WHERE incarnation_id = :i AND kind LIKE :k"
+            ),
             {"i": i, "k": "%" + ev.REFUSED_SUFFIX},
         ).scalar()
         last = conn.execute(

@@ -28,8 +28,8 @@ from sqlalchemy import (
 # Mixed versions: a writer upgrades an older file to this revision when it opens it; a file at
 # a revision not in KNOWN_REVISIONS was written by newer code and is refused by every opener,
 # read-only ones included, because its tables may no longer mean what this code assumes.
-SCHEMA_HEAD = "0002_forensic_views"
-KNOWN_REVISIONS = ("0001_initial", "0002_forensic_views")
+SCHEMA_HEAD = "0003_event_counts_and_chain"
+KNOWN_REVISIONS = ("0001_initial", "0002_forensic_views", "0003_event_counts_and_chain")
 
 metadata = MetaData()
 
@@ -111,6 +111,11 @@ events = Table(
     Column("new_version", Integer),
     Column("digest_after", Text),
     Column("reason", Text),
+    # Identical consecutive refusals are one row: how many, and the time of the last.
+    Column("count", Integer, nullable=False, server_default="1"),
+    Column("last_at", Text),
+    # SHA-256 over the previous row's chain value and this row's fields (layout_ledger.chain).
+    Column("chain", Text),
     sqlite_autoincrement=True,
 )
 Index(

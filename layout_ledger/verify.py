@@ -15,6 +15,10 @@ Checks, in order, inside one read transaction (a consistent snapshot while a dae
   while dirty, after a non-following fetch or beside another engine; ...); after ``end`` only
   ``prune``; every version has a commit; and the incarnation row's end state is its events'.
 
+- last, ``chain``: every event's chain value recomputed from the one before it and its own
+  fields (``layout_ledger.chain``), which also catches an edit that leaves a history the rules
+  allow; the head it reaches is printed, to compare with the daemon's log.
+
 Each check reports its first inconsistency; the report names the first of all of them.
 """
 
@@ -27,7 +31,7 @@ from typing import ClassVar
 
 from sqlalchemy import Connection, text
 
-from layout_ledger import reader
+from layout_ledger import chain, reader
 from layout_ledger.json_shape import JsonShaped, json_field
 from layout_ledger.layout import layout_digest
 from layout_ledger.migrate import file_revision
@@ -74,6 +78,27 @@ class VerifyReport(JsonShaped):
 
 class Inconsistent(Exception):
     """Raised inside one check to stop it at its first inconsistency."""
+
+
+def _chain_check(conn: Connection) -> CheckResult:
+    """Recompute the events' hash chain (``layout_ledger.chain``); name the first break."""
+    previous = chain.GENESIS
+    rows = conn.exec_driver_sql(
+        f"SELECT event_id, {', '.join(chain.FIELDS)}, chain FROM events ORDER BY event_id"
+    )
+    count = 0
+    for event_id, *fields, stored in rows:
+        expected = chain.link(previous, fields)
+        if stored != expected:
+            return CheckResult(
+                "chain",
+                None,
+                False,
+                f"event #{event_id}'s chain value does not follow from the rows before it: a row "
+                f"at or before it was edited, inserted or deleted",
+            )
+        previous, count = expected, count + 1
+    return CheckResult("chain", None, True, f"{count} events chained, head {previous}")
 
 
 def _pragma_check(conn: Connection, pragma: str) -> CheckResult:
@@ -132,9 +157,19 @@ def _check_digests(conn: Connection, inc: Incarnation) -> str:
             f"version 0 records digest {str(version_zero)[:12]} but the initial digest is "
             f"{inc.initial_digest[:12]}"
         )
+    first, last = _check_version_digests(conn, inc)
+    pruned = "" if not first else f"; versions 0..{first - 1} were pruned"
+    return f"digests of versions {first}..{last} recomputed from the rows match{pruned}"
+
+
+def _check_version_digests(
+    conn: Connection, inc: Incarnation, before: int | None = None
+) -> tuple[int | None, int | None]:
+    """Every held version (those below ``before``) rebuilt from its rows gives its digest."""
     first = last = None
     try:
-        for step in walk_versions(conn, inc):
+        steps = walk_versions(conn, inc) if before is None else walk_versions(conn, inc, before - 1)
+        for step in steps:
             if first is None:
                 first = step.version
             last = step.version
@@ -151,8 +186,25 @@ def _check_digests(conn: Connection, inc: Incarnation) -> str:
                 )
     except WalkInconsistency as exc:
         raise Inconsistent(str(exc)) from exc
-    pruned = "" if not first else f"; versions 0..{first - 1} were pruned"
-    return f"digests of versions {first}..{last} recomputed from the rows match{pruned}"
+    return first, last
+
+
+def inconsistency_before(ledger: LedgerReader, incarnation_id: int, version: int) -> str | None:
+    """The first version below ``version`` whose rows do not give its digest (None: all do).
+
+    What a prune is about to delete must be right first: the daemon's own retention checks the
+    versions whose rows it drops (``layout_ledger.ledger``); ``layout-ledger prune`` runs all of
+    ``verify``.
+    """
+    with ledger.connect() as conn:
+        inc = reader.incarnation(conn, incarnation_id)
+        if version <= reader.reconstructible_from(conn, incarnation_id):
+            return None  # nothing held below it
+        try:
+            _check_version_digests(conn, inc, before=version)
+        except Inconsistent as exc:
+            return f"incarnation {incarnation_id} digests: {exc}"
+    return None
 
 
 def _check_events(conn: Connection, inc: Incarnation) -> str:
@@ -201,6 +253,9 @@ def collect_verify(ledger: LedgerReader) -> VerifyReport:
                     results.append(CheckResult(name, inc.incarnation_id, False, str(exc)))
                 else:
                     results.append(CheckResult(name, inc.incarnation_id, True, detail))
+        # Last: an edit the rules can name is reported in their words first; the chain also
+        # catches edits that leave a history the rules allow.
+        results.append(_chain_check(conn))
     return VerifyReport(str(ledger.path), revision, tuple(results))
 
 

@@ -79,13 +79,18 @@ def _layers_written_at(conn: Connection, incarnation_id: int, version: int) -> l
     ]
 
 
-def _held_versions(conn: Connection, incarnation_id: int, floor: int) -> list[Any]:
+# No upper bound: the largest version SQLite can store.
+_NO_BOUND = 2**63 - 1
+
+
+def _held_versions(conn: Connection, incarnation_id: int, floor: int, until: int) -> list[Any]:
     versions = conn.execute(
         text(
             "SELECT version, digest, committed_at, engine_id, layers FROM versions "
-            "WHERE incarnation_id = :i AND version >= :floor ORDER BY version"
+            "WHERE incarnation_id = :i AND version >= :floor AND version <= :until "
+            "ORDER BY version"
         ),
-        {"i": incarnation_id, "floor": floor},
+        {"i": incarnation_id, "floor": floor, "until": until},
     ).all()
     if not versions or versions[0].version != floor:
         raise WalkInconsistency(
@@ -99,15 +104,16 @@ class _LaterRows:
     """The rows after the floor, streamed in (version, layer) order beside the versions: memory
     stays O(layers) however long the history is."""
 
-    def __init__(self, conn: Connection, incarnation_id: int, floor: int) -> None:
+    def __init__(self, conn: Connection, incarnation_id: int, floor: int, until: int) -> None:
         self._incarnation_id = incarnation_id
         self._rows = iter(
             conn.execute(
                 text(
                     "SELECT layer, version, slots FROM layout_rows "
-                    "WHERE incarnation_id = :i AND version > :floor ORDER BY version, layer"
+                    "WHERE incarnation_id = :i AND version > :floor AND version <= :until "
+                    "ORDER BY version, layer"
                 ),
-                {"i": incarnation_id, "floor": floor},
+                {"i": incarnation_id, "floor": floor, "until": until},
             )
         )
         self._next: Any = next(self._rows, None)
@@ -153,14 +159,17 @@ def _recorded_layers(incarnation_id: int, version: int, version_row: Any) -> tup
         ) from exc
 
 
-def walk_versions(conn: Connection, inc: Incarnation) -> Iterator[VersionStep]:
-    """Every held version of ``inc``, from the reconstructible floor to the current one."""
+def walk_versions(
+    conn: Connection, inc: Incarnation, until: int = _NO_BOUND
+) -> Iterator[VersionStep]:
+    """Every held version of ``inc`` from the reconstructible floor to the current one (or to
+    ``until``): the rows are read in one pass, never beyond ``until``."""
     i = inc.incarnation_id
     floor = reader.reconstructible_from(conn, i)
     row_jsons, rows = _floor_map(conn, inc, floor)
     floor_layers = _layers_written_at(conn, i, floor)
-    versions = _held_versions(conn, i, floor)
-    later = _LaterRows(conn, i, floor)
+    versions = _held_versions(conn, i, floor, until)
+    later = _LaterRows(conn, i, floor, until)
     for index, version_row in enumerate(versions):
         version = int(version_row.version)
         written: list[int] = []

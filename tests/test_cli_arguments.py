@@ -197,6 +197,9 @@ def test_history_nl_prints_one_json_event_per_line(clean, capsys):
         "new_version",
         "digest_after",
         "reason",
+        "count",
+        "last_at",
+        "chain",
     ]
 
 
@@ -218,7 +221,7 @@ def test_history_with_no_match_prints_only_the_csv_header_and_no_nl_line(clean, 
     _, out, _ = run_cli(capsys, "history", str(clean), "--engine", "nobody", "--csv")
     assert out == (
         "event_id,incarnation_id,at,kind,engine_id,layers,base_version,new_version,"
-        "digest_after,reason\r\n"
+        "digest_after,reason,count,last_at,chain\r\n"
     )
     _, out, _ = run_cli(capsys, "history", str(clean), "--engine", "nobody", "--nl")
     assert out == ""

@@ -15,6 +15,7 @@ from cli_ledgers import MOVES, build, execute, map_after, run_cli
 
 from layout_ledger import exit_codes
 from layout_ledger.layout import layout_digest
+from layout_ledger.schema import SCHEMA_HEAD
 
 
 @pytest.mark.parametrize("kind", ["clean", "dirty", "mid_move", "refusals"])
@@ -29,7 +30,7 @@ def test_verify_of_a_clean_ledger_reports_each_check(tmp_path, capsys):
     path = build("clean", tmp_path / "l.sqlite")
     _, out, _ = run_cli(capsys, "verify", str(path))
     assert out == (
-        f"ledger {path} (schema 0002_forensic_views)\n"
+        f"ledger {path} (schema {SCHEMA_HEAD})\n"
         "integrity_check: ok\n"
         "foreign_key_check: ok\n"
         "incarnation 1 version_chain: ok: versions 0..0 without gaps\n"
@@ -38,8 +39,14 @@ def test_verify_of_a_clean_ledger_reports_each_check(tmp_path, capsys):
         "incarnation 2 version_chain: ok: versions 0..3 without gaps\n"
         "incarnation 2 digests: ok: digests of versions 0..3 recomputed from the rows match\n"
         "incarnation 2 events: ok: 13 events consistent\n"
+        f"chain: ok: 17 events chained, head {_chain_head(path)}\n"
         "verified: no inconsistency\n"
     )
+
+
+def _chain_head(path: Path) -> str:
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        return conn.execute("SELECT chain FROM events ORDER BY event_id DESC").fetchone()[0]
 
 
 def _first_inconsistency(capsys, path: Path) -> str:
@@ -205,6 +212,7 @@ def test_verify_json_lists_every_check_and_the_first_inconsistency(tmp_path, cap
         ("version_chain", 2, True),
         ("digests", 2, True),
         ("events", 2, False),
+        ("chain", None, False),
     ]
     assert report["first_inconsistency"] == (
         "incarnation 2 events: event #10 (commit by 'engine-a') has no begin before it"

@@ -134,3 +134,44 @@ def test_a_long_lived_reader_cannot_starve_the_wal_unnoticed(tmp_path, monkeypat
     result = ledger.checkpoint(truncate=True)
     assert not result.busy and result.wal_bytes == 0
     ledger.close()
+
+
+def test_a_reader_holding_a_snapshot_never_makes_the_writer_wait_for_a_checkpoint(
+    tmp_path, monkeypatch, caplog
+):
+    """A TRUNCATE checkpoint gives up at once while a reader pins the WAL (SQLite's busy
+    timeout is 0 for it) instead of waiting out the 5 s busy timeout with the writer's lock
+    held, and the daemon's maintenance does not even try while the pin lasts; the pin is
+    reported once, and again when it is released."""
+    import time
+
+    path = tmp_path / "l.sqlite"
+    monkeypatch.setattr(maintenance, "WAL_WARN_BYTES", 16 * 1024)
+    monkeypatch.setattr(maintenance, "WAL_TRUNCATE_BYTES", 0)
+    ledger = open_ledger(path, keep_versions=10_000, prune_every=10_000)
+    record = start(ledger)
+    record.attach("A")
+    rng = random.Random(5)
+    reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM events").fetchone()  # holds a snapshot
+    took = []
+    with caplog.at_level(logging.INFO, logger="layout_ledger.maintenance"):
+        for _ in range(40):
+            move(record, "A", list(range(8)), rng)
+            ledger.maintenance.wait_idle(30)
+            started = time.monotonic()
+            result = ledger.checkpoint(truncate=True)
+            took.append(time.monotonic() - started)
+            assert result.busy
+        reader.rollback()
+        reader.close()
+        move(record, "A", [0], rng)
+        for _ in range(maintenance.CHECKPOINT_EVERY):
+            record.record_refusal("begin", "B", "wake the maintenance thread")
+        ledger.maintenance.wait_idle(30)
+    assert max(took) < 1.0, took  # the busy timeout is 5 s
+    pinned = [r.getMessage() for r in caplog.records if "held one snapshot" in r.getMessage()]
+    assert 1 <= len(pinned) <= 3  # once, then only when the WAL has doubled
+    assert any("let go" in r.getMessage() for r in caplog.records)
+    ledger.close()
