@@ -39,6 +39,14 @@ class LedgerStorageError(LedgerError):
     """SQLite failed while reading or writing the ledger (disk full, I/O error, corruption)."""
 
 
+class DamagedRow(LedgerStorageError):
+    """A row the code cannot interpret; the message names its table, row and column."""
+
+    def __init__(self, table: str, row_id: int, column: str, problem: str) -> None:
+        self.table, self.row_id, self.column = table, row_id, column
+        super().__init__(f"{table} row {row_id}, column {column}: {problem}")
+
+
 # --- requests the state machine refuses ----------------------------------------------------
 
 

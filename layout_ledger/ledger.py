@@ -27,7 +27,7 @@ from sqlalchemy.exc import DBAPIError
 
 from layout_ledger import events as ev
 from layout_ledger import maintenance, reader, replay
-from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
+from layout_ledger.errors import DamagedRow, LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.event_log import EventLog
 from layout_ledger.layout import Geometry, Map, validate_map
 from layout_ledger.maintenance import CheckpointResult, Maintenance
@@ -190,14 +190,29 @@ class Ledger:
 
     def _end_unended(self, conn: Connection, at: str) -> None:
         """End incarnations a killed daemon left open; warn when the last one ended badly."""
-        known = reader.incarnations(conn)
-        last_state = None
-        for inc in known:
-            last_state = inc.end_state
-            if inc.ended_at is None:
+        ends: dict[int, str | None] = {
+            int(incarnation_id): end_state
+            for incarnation_id, end_state in conn.exec_driver_sql(
+                "SELECT incarnation_id, end_state FROM incarnations"
+            )
+        }
+        unended = {
+            incarnation_id
+            for (incarnation_id,) in conn.exec_driver_sql(
+                "SELECT incarnation_id FROM incarnations WHERE ended_at IS NULL"
+            )
+        }
+        last_state, incarnation_id = None, 0
+        for inc in reader.incarnation_rows(conn):
+            incarnation_id = inc.row_id if isinstance(inc, DamagedRow) else inc.incarnation_id
+            last_state = ends[incarnation_id]
+            if incarnation_id not in unended:
+                continue
+            if isinstance(inc, DamagedRow):
+                last_state = self._end_unreadable(incarnation_id, str(inc), at)
+            else:
                 last_state = self._end_found_unended(conn, inc, at)
-        if known and last_state in ("dirty", "unknown"):
-            incarnation_id = known[-1].incarnation_id
+        if last_state in ("dirty", "unknown"):
             logger.warning(
                 "expert layout ledger %s: the previous daemon incarnation %d ended %s; its "
                 "history stays in the ledger (layout-ledger history %s --incarnation %d)",
@@ -210,14 +225,25 @@ class Ledger:
 
     def _end_found_unended(self, conn: Connection, inc: reader.Incarnation, at: str) -> str:
         """End one incarnation a killed daemon left open, as its replayed history stands."""
-        journal = self.journal(inc.incarnation_id)
         try:
-            record = replay.replay_incarnation(conn, inc, then=journal)
+            record = replay.replay_incarnation(conn, inc, then=self.journal(inc.incarnation_id))
         except replay.ReplayMismatch as exc:
-            reason = f"{END_FOUND_UNENDED}; its history could not be replayed: {exc}"
-            journal.append([ev.Event(at=at, kind=ev.END, reason=ev.clip(f"unknown: {reason}"))])
-            return "unknown"
+            return self._end_unreadable(inc.incarnation_id, str(exc), at)
         return record.end_found_unended(at)
+
+    def _end_unreadable(self, incarnation_id: int, problem: str, at: str) -> str:
+        """End an incarnation whose rows cannot be interpreted as ``unknown``, naming why."""
+        reason = ev.clip(f"unknown: {END_FOUND_UNENDED}; its rows cannot be interpreted: {problem}")
+        self.journal(incarnation_id).append([ev.Event(at=at, kind=ev.END, reason=reason)])
+        logger.error(
+            "expert layout ledger %s: incarnation %d ended unknown, its rows cannot be "
+            "interpreted (%s); run `layout-ledger verify %s`",
+            self.path,
+            incarnation_id,
+            problem,
+            self.path,
+        )
+        return "unknown"
 
     def _start_maintenance(self) -> None:
         if self.maintenance is not None:

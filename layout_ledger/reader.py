@@ -19,7 +19,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from layout_ledger import events as ev
-from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
+from layout_ledger.errors import DamagedRow, LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.layout import Geometry, Map
 from layout_ledger.record import LayoutRecord
 from layout_ledger.state import LayoutState
@@ -43,11 +43,39 @@ def _incarnation_from_row(row: Any) -> Incarnation:
         started_at=row.started_at,
         ended_at=row.ended_at,
         end_state=row.end_state,
-        geometry=Geometry(row.num_layers, row.num_physical_slots, row.num_logical_experts),
+        geometry=_geometry_of(row),
         initial_digest=row.initial_digest,
         config_fingerprint=row.config_fingerprint,
         daemon_label=row.daemon_label,
     )
+
+
+def _geometry_of(row: Any) -> Geometry:
+    """The incarnation row's geometry; a value no daemon writes is a ``DamagedRow``."""
+    column = "num_layers, num_physical_slots, num_logical_experts"
+    for name in ("num_layers", "num_physical_slots", "num_logical_experts"):
+        value = getattr(row, name)
+        if type(value) is not int or value < 1:
+            column = name
+            break
+    try:
+        return Geometry(row.num_layers, row.num_physical_slots, row.num_logical_experts)
+    except LedgerError as exc:
+        raise DamagedRow("incarnations", int(row.incarnation_id), column, str(exc)) from exc
+
+
+def incarnation_rows(conn: Connection) -> list[Incarnation | DamagedRow]:
+    """Every incarnation, or for a row that cannot be interpreted, why (oldest first)."""
+    rows = conn.execute(
+        text(f"SELECT {_INCARNATION_COLUMNS} FROM incarnations ORDER BY incarnation_id")
+    )
+    parsed: list[Incarnation | DamagedRow] = []
+    for row in rows:
+        try:
+            parsed.append(_incarnation_from_row(row))
+        except DamagedRow as exc:
+            parsed.append(exc)
+    return parsed
 
 
 _INCARNATION_COLUMNS = (

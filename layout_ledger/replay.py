@@ -233,7 +233,7 @@ def _int_tuple(text_value: Any, event_id: int, column: str) -> tuple[int, ...]:
             return tuple(value)
     except (TypeError, ValueError):
         pass
-    raise ReplayMismatch(f"event #{event_id}: its {column} column is not a JSON list of ints")
+    raise ReplayMismatch(f"events row {event_id}, column {column}: not a JSON list of ints")
 
 
 def _versions(conn: Connection, incarnation_id: int) -> dict[int, tuple[str, list[int]]]:
@@ -247,7 +247,8 @@ def _versions(conn: Connection, incarnation_id: int) -> dict[int, tuple[str, lis
             versions[int(version)] = (str(digest), [int(layer) for layer in json.loads(layers)])
         except (TypeError, ValueError) as exc:
             raise ReplayMismatch(
-                f"version {version}: its layers column is not a JSON list of ints"
+                f"versions row ({incarnation_id}, {version}), column layers: not a JSON list of "
+                f"ints"
             ) from exc
     return versions
 
@@ -261,7 +262,7 @@ def _initial_map(conn: Connection, inc: Incarnation) -> Map:
         value: Map = json.loads(str(raw))
     except (TypeError, ValueError) as exc:
         raise ReplayMismatch(
-            f"incarnation {inc.incarnation_id}: its initial_map column is not JSON"
+            f"incarnations row {inc.incarnation_id}, column initial_map: not JSON"
         ) from exc
     return value
 

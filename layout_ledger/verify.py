@@ -32,6 +32,7 @@ from typing import ClassVar
 from sqlalchemy import Connection, text
 
 from layout_ledger import chain, reader
+from layout_ledger.errors import DamagedRow
 from layout_ledger.json_shape import JsonShaped, json_field
 from layout_ledger.layout import layout_digest
 from layout_ledger.migrate import file_revision
@@ -245,11 +246,14 @@ def collect_verify(ledger: LedgerReader) -> VerifyReport:
         revision = file_revision(conn)
         results.append(_pragma_check(conn, "integrity_check"))
         results.append(_pragma_check(conn, "foreign_key_check"))
-        for inc in reader.incarnations(conn):
+        for inc in reader.incarnation_rows(conn):
+            if isinstance(inc, DamagedRow):
+                results.append(CheckResult("rows", inc.row_id, False, str(inc)))
+                continue
             for name, check in _INCARNATION_CHECKS:
                 try:
                     detail = check(conn, inc)
-                except Inconsistent as exc:
+                except (Inconsistent, DamagedRow) as exc:
                     results.append(CheckResult(name, inc.incarnation_id, False, str(exc)))
                 else:
                     results.append(CheckResult(name, inc.incarnation_id, True, detail))

@@ -206,7 +206,12 @@ def config_fingerprint(config_dict: dict[str, Any]) -> str:
 def around_load(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``WeightCacheDaemon.load``: load, then open the record of the initial layout."""
     result = original_fn(daemon, *args, **kwargs)
-    ledger, record = _open_record_after_load(daemon)
+    try:
+        ledger, record = _open_record_after_load(daemon)
+    except LedgerError as exc:
+        # One line, no traceback: the daemon cannot keep a record it trusts, so it stops.
+        logger.error("the expert layout ledger cannot be opened, the daemon stops: %s", exc)
+        raise SystemExit(2) from None
     set_daemon_layout(daemon, LayoutService(record), ledger)
     return result
 

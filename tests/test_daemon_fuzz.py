@@ -208,14 +208,15 @@ def record_rows(path: str) -> dict[str, list[tuple[Any, ...]]]:
 
 
 def refusal_events(path: str) -> Counter[str]:
+    """Refusals recorded, by kind (identical consecutive ones share a row and its count)."""
+    counted: Counter[str] = Counter()
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
-        return Counter(
-            kind
-            for (kind,) in conn.execute(
-                "SELECT kind FROM events WHERE kind LIKE '%\\_refused' ESCAPE '\\' "
-                "OR kind = 'begin_busy'"
-            )
-        )
+        for kind, count in conn.execute(
+            "SELECT kind, count FROM events WHERE kind LIKE '%\\_refused' ESCAPE '\\' "
+            "OR kind = 'begin_busy'"
+        ):
+            counted[kind] += count
+    return counted
 
 
 @pytest.fixture
