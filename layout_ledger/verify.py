@@ -249,18 +249,30 @@ def collect_verify(ledger: LedgerReader) -> VerifyReport:
         for inc in reader.incarnation_rows(conn):
             if isinstance(inc, DamagedRow):
                 results.append(CheckResult("rows", inc.row_id, False, str(inc)))
-                continue
-            for name, check in _INCARNATION_CHECKS:
-                try:
-                    detail = check(conn, inc)
-                except (Inconsistent, DamagedRow) as exc:
-                    results.append(CheckResult(name, inc.incarnation_id, False, str(exc)))
-                else:
-                    results.append(CheckResult(name, inc.incarnation_id, True, detail))
+            else:
+                results.extend(_incarnation_checks(conn, inc))
         # Last: an edit the rules can name is reported in their words first; the chain also
         # catches edits that leave a history the rules allow.
         results.append(_chain_check(conn))
     return VerifyReport(str(ledger.path), revision, tuple(results))
+
+
+def _incarnation_checks(conn: Connection, inc: Incarnation) -> list[CheckResult]:
+    results = []
+    for name, check in _INCARNATION_CHECKS:
+        try:
+            detail = check(conn, inc)
+        except (Inconsistent, DamagedRow) as exc:
+            results.append(CheckResult(name, inc.incarnation_id, False, str(exc)))
+        else:
+            results.append(CheckResult(name, inc.incarnation_id, True, detail))
+    return results
+
+
+def verify_incarnation(ledger: LedgerReader, incarnation_id: int) -> list[CheckResult]:
+    """``verify``'s checks of one incarnation (its version chain, digests and events)."""
+    with ledger.connect() as conn:
+        return _incarnation_checks(conn, reader.incarnation(conn, incarnation_id))
 
 
 def render_verify(report: VerifyReport) -> list[str]:

@@ -8,7 +8,10 @@ Prints, measured side by side in one run:
   (b) reconstruction of the current map after 10 and after 10,000 committed versions;
   (c) bytes on disk per committed layer row;
   (d) file size after a simulated week of rebalancing every minute (10,080 all-layer commits)
-      with the default retention.
+      with the default retention;
+  (e) begin+commit latency for 60 s with no reader, then with a reader in another process that
+      holds one read snapshot the whole time (an `sqlite3` session left in a transaction);
+  (f) file + WAL growth from 20,000 identical refused begins.
 
   .venv/bin/python scripts/bench_ledger.py [--quick] [--dir DIR]
 """
@@ -16,6 +19,7 @@ Prints, measured side by side in one run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -213,6 +217,92 @@ def bench_week(workdir: Path, commits: int) -> tuple[int, int]:
     return file_bytes(path), max(peak, file_bytes(path))
 
 
+# A forensic reader in another process: opens the ledger read-only, begins a read transaction,
+# reads, and holds that snapshot until it is killed (what `sqlite3 LEDGER` + `BEGIN; SELECT ...`
+# left open does).
+_HOLD_SNAPSHOT = """
+import sqlite3, sys, time
+conn = sqlite3.connect(f"file:{sys.argv[1]}?mode=ro", uri=True, isolation_level=None)
+conn.execute("BEGIN")
+conn.execute("SELECT count(*) FROM events").fetchone()
+print("holding", flush=True)
+time.sleep(3600)
+"""
+
+
+def bench_reader_snapshot(workdir: Path, seconds: float, reader: bool) -> list[float]:
+    """begin+commit of all-layer chunks for ``seconds``, with or without a reader that holds
+    one snapshot the whole time; returns each round's latency."""
+    import subprocess
+    import sys
+
+    path = workdir / f"snapshot-{reader}.sqlite"
+    ledger = Ledger.open(path, Retention(keep_versions=10**9, prune_every=10**9))
+    record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
+    record.attach("engine")
+    rng = random.Random(5)
+    pool = [random_rows(rng, ALL_LAYERS) for _ in range(16)]
+    holder = None
+    if reader:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_SNAPSHOT, str(path)], stdout=subprocess.PIPE, text=True
+        )
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+    rounds: list[float] = []
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            record.begin("engine", record.version, ALL_LAYERS)
+            record.commit("engine", pool[len(rounds) % len(pool)])
+            rounds.append(time.perf_counter() - started)
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        ledger.close()
+    return rounds
+
+
+def bench_refusal_flood(workdir: Path, refusals: int) -> tuple[int, float]:
+    """``refusals`` identical refused begins (an engine that is not attached); returns the growth
+    of file + WAL in bytes and the refusals per second."""
+    from layout_ledger.errors import RequestRefused
+
+    path = workdir / "flood.sqlite"
+    ledger = Ledger.open(path)
+    record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
+    record.attach("engine")
+    ledger.checkpoint(truncate=True)
+    before = file_bytes(path)
+    started = time.perf_counter()
+    for _ in range(refusals):
+        with contextlib.suppress(RequestRefused):
+            record.begin("intruder-" + "x" * 200, 0, ALL_LAYERS)
+    elapsed = time.perf_counter() - started
+    if ledger.maintenance is not None:
+        ledger.maintenance.wait_idle(60)
+    grown = file_bytes(path) - before
+    ledger.close()
+    return grown, refusals / elapsed
+
+
+def print_reader_snapshot(seconds: float, alone: list[float], pinned: list[float]) -> None:
+    print(
+        f"(e) begin+commit of all-layer chunks for {seconds:.0f} s, without and with a reader "
+        f"holding one snapshot the whole time"
+    )
+    print(f"    {'':34s} {'rounds':>7s} {'median':>10s} {'p99':>10s} {'max':>10s}")
+    for name, values in (("no reader", alone), ("a reader holds a snapshot", pinned)):
+        print(
+            f"    {name:34s} {len(values):7d} {ms(statistics.median(values)):>10s} "
+            f"{ms(pct(values, 0.99)):>10s} {ms(max(values)):>10s}"
+        )
+    ratio = pct(pinned, 0.99) / pct(alone, 0.99)
+    print(f"    max with the reader:  {ms(max(pinned))}   (target < 50 ms)")
+    print(f"    p99 with / without:   {ratio:.2f}   (target <= 2.00)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -221,6 +311,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, help="where to put the files (default: a temp dir)")
     args = parser.parse_args()
     commits, long_history, week = (30, 1000, 1000) if args.quick else (300, 10_000, 10_080)
+    pinned_seconds, refusals = (10.0, 2000) if args.quick else (60.0, 20_000)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         workdir = Path(tmp)
         timings = bench_commit(workdir, commits)
@@ -228,6 +319,9 @@ def main() -> None:
         long = bench_reconstruction(workdir, long_history, repeats=50)
         row_bytes = bench_row_bytes(workdir, 50)
         week_final, week_peak = bench_week(workdir, week)
+        alone = bench_reader_snapshot(workdir, pinned_seconds, reader=False)
+        pinned = bench_reader_snapshot(workdir, pinned_seconds, reader=True)
+        flood_bytes, flood_rate = bench_refusal_flood(workdir, refusals)
 
     ledger_name, memory_name, json_name, favoured_name = list(timings)
     print(
@@ -266,6 +360,13 @@ def main() -> None:
     print(
         f"    final file + WAL: {week_final / 2**20:.1f} MiB; peak: {week_peak / 2**20:.1f} MiB"
         "   (target < 256 MiB)"
+    )
+    print()
+    print_reader_snapshot(pinned_seconds, alone, pinned)
+    print()
+    print(
+        f"(f) {refusals:,} identical refused begins ({flood_rate:,.0f}/s): file + WAL grew "
+        f"{flood_bytes / 2**20:.2f} MiB   (target < 8 MiB for 20,000)"
     )
 
 
