@@ -6,6 +6,7 @@ DeepSeek-V3 scale, is a script; its table is in the README.)"""
 from __future__ import annotations
 
 import pytest
+
 from crash_campaign import SMALL, ok, render, run_campaign
 
 pytestmark = pytest.mark.timeout(300)
