@@ -222,10 +222,9 @@ class LayoutRecord:
         """Store the pending layers' new rows; returns (new version, digest of the whole map)."""
         with self._lock:
             try:
-                move, valid_rows = rules.check_commit(self, engine_id, rows)
+                move, new_row_jsons = rules.check_commit(self, engine_id, rows)
             except RequestRefused as exc:
                 self._refuse("commit", engine_id, exc)
-            new_row_jsons = {layer: row_json(row) for layer, row in valid_rows.items()}
             row_jsons = list(self._known_rows())
             for layer, text in new_row_jsons.items():
                 row_jsons[layer] = text

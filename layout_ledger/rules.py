@@ -20,7 +20,7 @@ from layout_ledger.layout import (
     check_row_layers,
     is_int,
     validate_layers,
-    validate_rows,
+    validate_rows_json,
 )
 from layout_ledger.protocol import PendingMove
 from layout_ledger.state import DirtyMark
@@ -133,11 +133,10 @@ def _own_pending(state: StateView, engine_id: str, verb: str) -> PendingMove:
     return pending
 
 
-def check_commit(
-    state: StateView, engine_id: Any, rows: Any
-) -> tuple[PendingMove, dict[int, list[int]]]:
+def check_commit(state: StateView, engine_id: Any, rows: Any) -> tuple[PendingMove, dict[int, str]]:
+    """The pending move and each valid row's compact JSON text (what the ledger stores)."""
     pending = _committer(state, engine_id)
-    return pending, validate_rows(rows, pending.layers, state.geometry)
+    return pending, validate_rows_json(rows, pending.layers, state.geometry)
 
 
 def check_recorded_commit(state: StateView, engine_id: Any, layers: Any) -> PendingMove:
