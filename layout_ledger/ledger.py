@@ -113,17 +113,22 @@ class Ledger:
                 raise
 
     @contextmanager
-    def _journal_transaction(self) -> Iterator[sqlite3.Connection]:
+    def _journal_transaction(self, *, synced: bool = True) -> Iterator[sqlite3.Connection]:
         """A journal append's transaction, on the driver connection (joins ``transaction``).
 
         Every record change runs here; skipping SQLAlchemy's per-statement execution context
         is a third of what the ledger adds to a commit over an in-memory record. A failure
-        rolls the whole transaction back and becomes a ``LedgerStorageError``.
+        rolls the whole transaction back and becomes a ``LedgerStorageError``. ``synced=False``
+        leaves out the WAL's fsync for this transaction (``synchronous=NORMAL``): it is written
+        before the call returns, so no daemon crash can lose it, and the next synced one (or
+        checkpoint) puts it on disk with itself.
         """
         with self._lock:
             driver = self._writer.driver()
             joined = self._conn.in_transaction()  # an incarnation's start: one transaction
             try:
+                if not joined and not synced:
+                    driver.execute("PRAGMA synchronous=NORMAL")
                 if not joined:
                     driver.execute("BEGIN IMMEDIATE")
                 try:
@@ -141,6 +146,10 @@ class Ledger:
                     raise
             except sqlite3.Error as exc:
                 raise LedgerStorageError(f"writing to ledger {self.path} failed: {exc}") from exc
+            finally:
+                if not joined and not synced:
+                    with contextlib.suppress(sqlite3.Error):
+                        driver.execute("PRAGMA synchronous=FULL")
 
     def journal(self, incarnation_id: int) -> LedgerJournal:
         return LedgerJournal(self, incarnation_id)
@@ -354,9 +363,17 @@ class LedgerJournal:
         self.incarnation_id = incarnation_id
 
     def append(self, events: Sequence[ev.Event], rows: Mapping[int, str] | None = None) -> None:
-        """Events (with a start's or commit's version and rows) and an end's incarnation update."""
+        """Events (with a start's or commit's version and rows) and an end's incarnation update.
+
+        Versions (a start's or a commit's rows) and an incarnation's end are fsynced before
+        this returns: a reply of ``ok`` to a commit means it is on disk. Every other event is
+        written (no crash of the daemon can lose it) and reaches the disk with the next
+        version or checkpoint: only a machine crash, which also loses the weights in GPU memory
+        and so ends the incarnation, could take the newest of them.
+        """
         ledger = self.ledger
-        with ledger._journal_transaction() as driver:
+        synced = rows is not None or any(event.kind == ev.END for event in events)
+        with ledger._journal_transaction(synced=synced) as driver:
             if rows is not None:
                 (versioned,) = events
                 _insert_version(driver, self.incarnation_id, versioned, rows)

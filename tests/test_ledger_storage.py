@@ -190,3 +190,27 @@ def test_another_applications_sqlite_file_is_refused_without_being_changed(tmp_p
     assert path.read_bytes() == before
     assert not (tmp_path / "app.sqlite.lock").exists()
     assert not (tmp_path / "app.sqlite-wal").exists()
+
+
+def test_a_commit_is_fsynced_before_it_returns_and_other_events_are_written_unsynced(tmp_path):
+    """``synchronous=FULL`` (the WAL fsynced at COMMIT) for every transaction that records a
+    version; ``NORMAL`` (written, fsynced with the next version or checkpoint) for the rest."""
+    import random
+
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record = start(ledger)
+    statements: list[str] = []
+    ledger._writer.driver().set_trace_callback(statements.append)
+    record.attach("A")
+    record.begin("A", 0, [1])
+    attach_and_begin = list(statements)
+    statements.clear()
+    record.commit("A", {1: [rng % 8 for rng in range(12)]})
+    commit = list(statements)
+    ledger._writer.driver().set_trace_callback(None)
+    assert attach_and_begin.count("PRAGMA synchronous=NORMAL") == 2
+    assert attach_and_begin[-1] == "PRAGMA synchronous=FULL"
+    assert not any("synchronous" in statement for statement in commit)
+    assert ledger._writer.driver().execute("PRAGMA synchronous").fetchone()[0] == 2
+    move(record, "A", [2], random.Random(1))
+    ledger.close()
