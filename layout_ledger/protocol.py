@@ -213,7 +213,9 @@ class CommitRequest:
         return {
             "type": COMMIT,
             "engine_id": self.engine_id,
-            "rows": {int(layer): [int(v) for v in row] for layer, row in self.rows.items()},
+            # Plain lists of the values given: the daemon checks every one (a value that is
+            # not an int expert id is refused there, never converted here).
+            "rows": {int(layer): list(row) for layer, row in self.rows.items()},
         }
 
 

@@ -102,8 +102,9 @@ def metadata_from_map(
 
 def map_of(metadata: ExpertLocationMetadata) -> list[list[int]]:
     """The metadata's ``physical_to_logical_map`` as the protocol's nested lists of ints."""
-    rows: Any = metadata.physical_to_logical_map_cpu.tolist()
-    return [[int(v) for v in row] for row in rows]
+    # An integer tensor's tolist() is already Python ints (the protocol's values).
+    rows: list[list[int]] = metadata.physical_to_logical_map_cpu.tolist()
+    return rows
 
 
 def adopt_map(

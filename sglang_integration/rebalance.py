@@ -297,8 +297,9 @@ def _commit_chunk(
     """Commit the chunk's rows on every rank and check what the daemons recorded."""
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
+    # An integer tensor's tolist() is already Python ints (the protocol's values).
     engine_map = get_global_expert_location_metadata().physical_to_logical_map_cpu.tolist()
-    rows = {layer: [int(x) for x in engine_map[layer]] for layer in chunk}
+    rows = {layer: engine_map[layer] for layer in chunk}
     my_commit = _call(lambda: client.commit(rows))
     check = check_commits(
         _all_gather(my_commit),
