@@ -171,8 +171,8 @@ def run(ep: int, rounds: int, workdir: Path) -> dict[str, Any]:
         for daemon in daemons:
             daemon.stop()
     return {
-        "chunks": [max(values) for values in zip(*(r["chunks"] for r in results))],
-        "plans": [max(values) for values in zip(*(r["plans"] for r in results))],
+        "chunks": [max(values) for values in zip(*(r["chunks"] for r in results), strict=False)],
+        "plans": [max(values) for values in zip(*(r["plans"] for r in results), strict=False)],
         "startup": [r["startup"] for r in results],
     }
 
