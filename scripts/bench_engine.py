@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -45,15 +46,19 @@ NUM_SLOTS = NUM_LOGICAL + NUM_REDUNDANT
 REFERENCE_MS = 260.0
 
 
-def _rank(
-    rank: int,
-    world: int,
-    port: int,
-    model_dir: str,
-    sockets: list[str],
-    rounds: int,
-    out: Connection,
-) -> None:
+@dataclass(frozen=True)
+class RankJob:
+    """What one rank process is told: who it is and where its engine and daemon are."""
+
+    rank: int
+    world: int
+    port: int
+    model_dir: str
+    sockets: list[str]
+    rounds: int
+
+
+def _rank(job: RankJob, out: Connection) -> None:
     """One engine rank: start through the plugin, then time chunks and sglang's init_by_eplb."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.eplb.expert_location import (
@@ -67,12 +72,13 @@ def _rank(
     from sglang_integration import engine_startup, rebalance
     from sglang_integration.weight_source import WeightSource, record_weight_source
 
+    rank, world, sockets, rounds = job.rank, job.world, job.sockets, job.rounds
     _counters_on_the_cpu()
     args = _publish_and_join(
         rank,
         world_size=world,
-        port=port,
-        model_dir=model_dir,
+        port=job.port,
+        model_dir=job.model_dir,
         num_redundant=NUM_REDUNDANT,
         weight_cache_mode="client",
         weight_cache_socket=sockets[rank],
@@ -158,9 +164,8 @@ def run(ep: int, rounds: int, workdir: Path) -> dict[str, Any]:
         pipes, processes = [], []
         for rank in range(ep):
             receive, send = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_rank, args=(rank, ep, port, str(model_dir), sockets, rounds, send)
-            )
+            job = RankJob(rank, ep, port, str(model_dir), sockets, rounds)
+            process = context.Process(target=_rank, args=(job, send))
             process.start()
             pipes.append(receive)
             processes.append(process)
