@@ -10,19 +10,24 @@ Two kinds, the same command-line arguments and ledger:
 ``auto`` picks ``sglang`` when this interpreter can import the daemon's whole sglang chain (tried
 in a child process, with a time limit), else ``ledger-service``, and says why.
 
-Each daemon runs as a separate process started the way a person starts it (``subprocess``),
-writing its log into the work directory; the ledger is read with the ``layout-ledger`` command
-line (``python -m layout_ledger.cli``), as an operator would.
+Each daemon is a separate process writing its log into the work directory: on CUDA started the
+way a person starts it (``python -m MODULE``); on the CPU path forked from the check's
+forkserver, which imported sglang once, running the same module's ``main``. The ledgers are read
+with the ``layout-ledger`` command line (``python -m layout_ledger.cli``), as an operator would.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
+import os
 import signal
 import subprocess
 import time
 from dataclasses import dataclass
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +81,33 @@ def choose_kind(requested: str, python: str) -> tuple[str, str]:
     return LEDGER_SERVICE, f"sglang's daemon modules do not import here: {last}"
 
 
+class ForkedDaemon:
+    """A daemon forked from the check's forkserver (CPU path), with ``Popen``'s few methods."""
+
+    def __init__(self, process: BaseProcess) -> None:
+        self.process = process
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process.is_alive() else self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.process.pid is not None and self.process.is_alive():
+            os.kill(self.process.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float) -> int | None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            raise subprocess.TimeoutExpired("daemon", timeout)
+        return self.process.exitcode
+
+
 @dataclass
 class DaemonHandle:
     name: str
@@ -83,7 +115,7 @@ class DaemonHandle:
     socket_path: str
     ledger_path: str
     log_path: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedDaemon
 
     def log_tail(self, lines: int = 25) -> str:
         try:
@@ -93,17 +125,9 @@ class DaemonHandle:
         return f"--- last lines of {self.log_path}:\n" + "\n".join(text)
 
 
-def start_daemon(
-    kind: str, directory: Path, name: str, geometry: Geometry, python: str
-) -> DaemonHandle:
-    """Start one daemon of ``kind`` (not waiting for it: see ``wait_ready``)."""
-    socket_path = str(directory / f"{name}.sock")
-    ledger_path = str(directory / f"{name}.sqlite")
-    log_path = str(directory / f"{name}.log")
-    argv = [
-        python,
-        "-m",
-        MODULES[kind],
+def daemon_argv(socket_path: str, ledger_path: str, geometry: Geometry) -> list[str]:
+    """The arguments both kinds take (the model-less daemon's)."""
+    return [
         "--socket",
         socket_path,
         "--ledger",
@@ -115,9 +139,44 @@ def start_daemon(
         "--num-physical-experts",
         str(geometry.num_physical_slots),
     ]
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+
+def start_daemon(
+    kind: str,
+    directory: Path,
+    name: str,
+    geometry: Geometry,
+    python: str,
+    *,
+    forkserver: BaseContext | None = None,
+) -> DaemonHandle:
+    """Start one daemon of ``kind`` (not waiting for it: see ``wait_ready``): ``python -m
+    MODULE ARGS``, or, given the CPU path's ``forkserver``, a process forked from it that runs
+    the same module's ``main(ARGS)`` (the server imported sglang once for every process)."""
+    socket_path = str(directory / f"{name}.sock")
+    ledger_path = str(directory / f"{name}.sqlite")
+    log_path = str(directory / f"{name}.log")
+    argv = daemon_argv(socket_path, ledger_path, geometry)
+    process: subprocess.Popen[bytes] | ForkedDaemon
+    if forkserver is None:
+        with open(log_path, "ab") as log:
+            command = [python, "-m", MODULES[kind], *argv]
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    else:
+        child = forkserver.Process(target=run_forked_daemon, args=(kind, argv, log_path))
+        child.start()
+        process = ForkedDaemon(child)
     return DaemonHandle(name, kind, socket_path, ledger_path, log_path, process)
+
+
+def run_forked_daemon(kind: str, argv: list[str], log_path: str) -> None:
+    """Forkserver child: the daemon module's ``main(argv)``, its output to ``log_path``."""
+    from harness.cpu_engine import release_forkserver
+    from harness.daemon_control import redirect_output
+
+    release_forkserver()  # so that it dies with the check even when the check is SIGKILLed
+    redirect_output(log_path)
+    raise SystemExit(importlib.import_module(MODULES[kind]).main(argv))
 
 
 def wait_ready(daemon: DaemonHandle, timeout: float = READY_TIMEOUT) -> float:
@@ -156,7 +215,8 @@ def stop_daemons(started: list[DaemonHandle], timeout: float = 30.0) -> list[int
 
 def kill_daemon(daemon: DaemonHandle) -> None:
     if daemon.process.poll() is None:
-        daemon.process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            daemon.process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             daemon.process.wait(15)
 

@@ -18,6 +18,7 @@ In ``ledger-service`` mode the engines first install the stand-in framing (``sta
 from __future__ import annotations
 
 import pickle
+import sys
 import time
 import traceback
 import uuid
@@ -201,6 +202,16 @@ def engine_ignoring_record(
     return report
 
 
+def framing_used() -> str:
+    """Whose ``send_msg``/``recv_msg`` this process's client imported (none: never asked)."""
+    framing = sys.modules.get("sglang.srt.weight_cache.protocol")
+    if framing is None:
+        return "none (no daemon request)"
+    if getattr(framing, "STANDS_IN", False):
+        return "stand-in (gpu_single.standin_framing)"
+    return f"sglang's ({getattr(framing, '__file__', '?')})"
+
+
 def run_engine(order: EngineOrder, channel: Connection) -> None:
     """Process target: map the memory, act as ``order.role``, report, exit."""
     try:
@@ -212,7 +223,9 @@ def run_engine(order: EngineOrder, channel: Connection) -> None:
         first = next(iter(tensors.values()))[0]
         actions = {"A": engine_a, "B": engine_b, "ignored": engine_ignoring_record}
         report = actions[order.role](order, tensors)
-        report.update(device=str(first.device), shared=bool(first.is_shared()))
+        report.update(
+            device=str(first.device), shared=bool(first.is_shared()), framing=framing_used()
+        )
         channel.send({"event": "report", "role": order.role, **report})
     except Exception:
         channel.send({"event": "error", "role": order.role, "error": traceback.format_exc()})

@@ -57,6 +57,14 @@ def setup_rows(
     )
     exits = [facts[role]["exit_code"] for role in ("A", "B", "ignored")]
     stage.check("engine processes' exit codes", "0, 0, 0", _each(exits), exits == [0, 0, 0])
+    framing = [facts[role]["framing"] for role in ("A", "B")]
+    framing_wanted = "stand-in" if daemon_kind == daemons.LEDGER_SERVICE else "sglang's"
+    stage.check(
+        "framing the engines' client (sglang_integration.client) used, A and B",
+        framing_wanted,
+        _each(framing),
+        all(found.startswith(framing_wanted) for found in framing),
+    )
     stage.info("daemons (one per geometry, each its own ledger)", daemon_kind)
     if daemon_kind == daemons.LEDGER_SERVICE:
         stage.notes.append(daemons.STAND_IN_NOTE)

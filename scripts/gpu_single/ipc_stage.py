@@ -97,7 +97,11 @@ def receive(channel: Connection, process: BaseProcess, timeout: float, what: str
             raise StageFailure(f"{what} exited ({process.exitcode}) without a report")
         if time.monotonic() > deadline:
             raise StageFailure(f"{what} did not answer within {timeout:.0f} s")
-    message = channel.recv()
+    try:
+        message = channel.recv()
+    except EOFError:
+        process.join(5)
+        raise StageFailure(f"{what} exited ({process.exitcode}) without a report") from None
     if message.get("event") == "error":
         raise StageFailure(f"{what} failed:\n{message['error']}")
     return message
@@ -181,8 +185,16 @@ def _run(
     settings: IpcSettings, geometries: list[ExpertGeometry], processes: Processes
 ) -> dict[str, Any]:
     kind, work = settings.daemon_kind, settings.work
+    forkserver = settings.context if settings.context.get_start_method() == "forkserver" else None
     daemon_handles = [
-        daemons.start_daemon(kind, work, f"daemon-{g.name}", g.layout_geometry(), settings.python)
+        daemons.start_daemon(
+            kind,
+            work,
+            f"daemon-{g.name}",
+            g.layout_geometry(),
+            settings.python,
+            forkserver=forkserver,
+        )
         for g in geometries
     ]
     processes.daemons.extend(daemon_handles)

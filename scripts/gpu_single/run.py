@@ -55,14 +55,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+# What the CPU path's forkserver imports once for every process it forks.
+FORKSERVER_PRELOAD = [
+    "torch",
+    "gpu_single.engines",
+    "gpu_single.holder",
+    "gpu_single.daemons",
+    "sglang_integration.engine_startup",
+    "sglang_integration.daemon_hooks",
+    "layout_ledger.ledger",
+    "layout_ledger.migrate",
+]
+PRELOAD_BY_DAEMON = {
+    daemons.SGLANG: ["sglang.srt.weight_cache.daemon", "sglang_integration.testing.daemon"],
+    daemons.LEDGER_SERVICE: ["gpu_single.standin_daemon"],
+}
+
+
 def process_context(start_method: str, daemon_kind: str) -> BaseContext:
-    """spawn on CUDA (no process inherits a CUDA-initialized parent); on the CPU a forkserver
-    that imports torch, the check and (with the real daemon) sglang's framing once."""
+    """spawn on CUDA (no process inherits a CUDA-initialized parent; daemons are started as
+    commands); on the CPU a forkserver that imports torch, the check, the ledger and (with the
+    real daemon) sglang once, and forks the holder, the engines and the daemons."""
     context = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        preload = ["torch", "gpu_single.engines", "gpu_single.holder"]
-        if daemon_kind == daemons.SGLANG:
-            preload.append("sglang.srt.weight_cache.protocol")
+        preload = FORKSERVER_PRELOAD + PRELOAD_BY_DAEMON[daemon_kind]
         context.set_forkserver_preload(preload)  # type: ignore[attr-defined]
     return context
 
