@@ -243,11 +243,11 @@ def test_fingerprint_stage_fails_its_check_for_a_fingerprint_blind_to_a_torn_slo
 def test_bench_stage_fails_its_check_when_the_benchmark_exits_non_zero(tmp_path: Path) -> None:
     script = tmp_path / "bench.py"
     script.write_text(
-        "import sys\nprint('ratio:  0.5   (target < 1.5)')\nsys.exit(int(sys.argv[-1] == 'x'))\n"
+        "import sys\nprint('(b) rebuild')\nprint('    ratio:  0.5   (target < 1.5)')\n"
     )
     held = run_bench_stage(sys.executable, tmp_path / "ok", script)
     assert held.failed == [] and held.rows[0].measured == "0"
-    assert ("bench: ratio", "0.5   (target < 1.5)") in [(r.what, r.measured) for r in held.rows]
+    assert ("bench (b) ratio", "0.5   (target < 1.5)") in [(r.what, r.measured) for r in held.rows]
     failing = tmp_path / "failing.py"
     failing.write_text("import sys\nsys.exit(3)\n")
     stage = run_bench_stage(sys.executable, tmp_path / "fail", failing)

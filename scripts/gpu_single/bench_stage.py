@@ -1,7 +1,7 @@
 """Stage 3: ``scripts/bench_ledger.py --quick`` as is, its ledger files on this machine's disk.
 
 Its output is shown after the table unchanged; the table holds its exit code and the lines that
-name a target (``target ...``).
+name a target (``target ...``), each labelled with its section of the output (``(a)``...).
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ def run_bench_stage(
     stage.output = result.stdout + (f"\n{result.stderr}" if result.returncode else "")
     stage.check("exit code", 0, result.returncode, result.returncode == 0)
     stage.info("ledger files in", str(directory))
+    section = ""
     for line in result.stdout.splitlines():
-        if "target" in line:
-            stage.info("bench: " + line.split(":")[0].strip(), line.split(":", 1)[-1].strip())
+        if line.startswith("("):
+            section = line[: line.index(")") + 1] + " "
+        elif "target" in line and ":" in line:
+            label, value = line.split(":", 1)
+            stage.info(f"bench {section}{label.strip()}", value.strip())
     return stage

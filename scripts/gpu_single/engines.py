@@ -17,6 +17,7 @@ In ``ledger-service`` mode the engines first install the stand-in framing (``sta
 
 from __future__ import annotations
 
+import importlib.metadata
 import pickle
 import sys
 import time
@@ -209,7 +210,7 @@ def framing_used() -> str:
         return "none (no daemon request)"
     if getattr(framing, "STANDS_IN", False):
         return "stand-in (gpu_single.standin_framing)"
-    return f"sglang's ({getattr(framing, '__file__', '?')})"
+    return f"sglang's (sglang {importlib.metadata.version('sglang')})"
 
 
 def run_engine(order: EngineOrder, channel: Connection) -> None:

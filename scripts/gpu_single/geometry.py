@@ -126,7 +126,7 @@ def small_geometry() -> ExpertGeometry:
             TensorSpec("w2_weight", (256, 128), "bfloat16"),
         ),
         description="the CPU demo's model: 8 layers x 12 slots (8 experts + 4 redundant), "
-        "all on this GPU, bf16 w13 [256, 256] and w2 [256, 128]",
+        "all on this device, bf16 w13 [256, 256] and w2 [256, 128]",
     )
 
 

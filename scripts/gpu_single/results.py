@@ -51,9 +51,10 @@ class Stage:
         return self.status.startswith("failed")
 
 
-def render_stage(stage: Stage, width: int = 120) -> str:
-    head = f"{stage.title}  [{stage.status}]"
-    lines = [f"{head}{f'{stage.seconds:.1f} s':>{max(1, width - len(head))}}"]
+def render_stage(stage: Stage) -> str:
+    lines = [stage.title, f"  [{stage.status}, {stage.seconds:.1f} s]"]
+    if not stage.rows:
+        return "\n".join(lines + [f"  note: {note}" for note in stage.notes])
     rows = [("check", "expected", "measured", "result")]
     for row in stage.rows:
         result = "-" if row.ok is None else ("ok" if row.ok else "FAILED")
