@@ -146,6 +146,15 @@ def test_exit_code_is_1_for_a_failed_check_and_2_for_a_stage_that_did_not_finish
     assert results.exit_code([held, failed, broken]) == 2
 
 
+def test_a_stage_stopped_by_an_error_is_reported_as_not_finished_and_exits_2() -> None:
+    from gpu_single.run import guarded
+
+    (stage,) = guarded("bench", lambda: [results.Stage("bench", "B")] if 1 / 0 else [])
+    assert stage.status.startswith("failed")
+    assert "ZeroDivisionError" in stage.notes[0]
+    assert results.exit_code([stage]) == 2
+
+
 def test_engine_a_replays_the_cpu_demos_case_1_commits_which_leave_11_of_96_slots_unmoved() -> None:
     geometry = small_geometry()
     plan = demo_case1_moves(geometry)

@@ -173,7 +173,7 @@ def run_ipc_stage(settings: IpcSettings) -> list[Stage]:
     except (StageFailure, daemons.DaemonError) as exc:
         for stage in (setup, *tables):
             stage.status = "failed: a process of the stage failed"
-        setup.notes.append(str(exc))
+        setup.notes += [str(exc), *(daemon.log_tail() for daemon in processes.daemons)]
     finally:
         processes.close()
     for stage in (setup, *tables):

@@ -15,6 +15,8 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from pathlib import Path
 from types import FrameType
@@ -95,21 +97,32 @@ def device_available(device: str) -> str | None:
 
 
 def run_stages(args: argparse.Namespace, kind: str, work: Path, python: str) -> list[Stage]:
+    from gpu_single.bench_stage import run_bench_stage
     from gpu_single.ipc_stage import IpcSettings, run_ipc_stage
 
     context = process_context(args.start_method, kind)
+    settings = IpcSettings(args.device, args.scale, kind, work / "ipc", python, context)
+    settings.work.mkdir(parents=True)
+    runs: dict[str, Callable[[], list[Stage]]] = {
+        "ipc": lambda: run_ipc_stage(settings),
+        "fingerprints": lambda: [fingerprint_stage(args, context)],
+        "bench": lambda: [run_bench_stage(python, work / "bench")],
+    }
     stages: list[Stage] = []
-    if "ipc" in args.stages:
-        settings = IpcSettings(args.device, args.scale, kind, work / "ipc", python, context)
-        settings.work.mkdir(parents=True)
-        stages += show(run_ipc_stage(settings))
-    if "fingerprints" in args.stages:
-        stages += show([fingerprint_stage(args, context)])
-    if "bench" in args.stages:
-        from gpu_single.bench_stage import run_bench_stage
-
-        stages += show([run_bench_stage(python, work / "bench")])
+    for name in STAGES:
+        if name in args.stages:
+            stages += show(guarded(name, runs[name]))
     return stages
+
+
+def guarded(name: str, run: Callable[[], list[Stage]]) -> list[Stage]:
+    """The stage's tables, or one failed stage naming the error that stopped it."""
+    try:
+        return run()
+    except Exception:
+        stage = Stage(name, f"Stage {name}", status="failed: an error stopped the stage")
+        stage.notes.append(traceback.format_exc())
+        return [stage]
 
 
 def fingerprint_stage(args: argparse.Namespace, context: BaseContext) -> Stage:
