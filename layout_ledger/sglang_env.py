@@ -3,7 +3,8 @@
 The one place these values are written. Who sets them, each from here, before importing sglang:
 ``layout-ledger export --check`` (``sglang_export_check``, the architecture list only), the test
 suite (``tests/conftest.py``), the CPU harness's forkserver (``scripts/harness``), the demo
-(``scripts/demo.py``) and ``scripts/gpu_check.sh`` (the architecture list only). The plugin's
+(``scripts/demo.py``), ``scripts/gpu_check.sh`` (the architecture list only) and the one-GPU
+check (``scripts/gpu_single/run.py``). The plugin's
 daemons and engines set nothing: there the operator's environment rules.
 
 Importing this module imports nothing beyond ``os``.

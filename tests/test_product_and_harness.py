@@ -3,9 +3,9 @@
 The wheel holds ``layout_ledger`` (with ``migrations/`` as ``layout_ledger.migrations``) and
 ``sglang_integration`` (setup.cfg); of
 ``sglang_integration.testing`` only what a user reuses to test a deployment (the model-less
-daemon). The CPU harness (``scripts/harness``) and the demo's cases (``scripts/demo_cases``) are
-not shipped, and no production module imports them. The quiet sglang environment is written
-once, in ``layout_ledger.sglang_env``.
+daemon). The CPU harness (``scripts/harness``), the demo's cases (``scripts/demo_cases``) and the
+one-GPU check (``scripts/gpu_single``) are not shipped, and no production module imports them.
+The quiet sglang environment is written once, in ``layout_ledger.sglang_env``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from layout_ledger.sglang_env import GLOO_SOCKET_IFNAME_ENV, QUIET_ARCHS
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT_DIRS = ("layout_ledger", "sglang_integration", "migrations")
-HARNESS_PACKAGES = {"harness", "demo_cases", "scripts", "tests"}
+HARNESS_PACKAGES = {"harness", "demo_cases", "gpu_single", "scripts", "tests"}
 HARNESS_MODULES = {path.stem for path in (ROOT / "scripts" / "harness").glob("*.py")} - {"__init__"}
 
 
