@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ledger_parser.error(str(exc))
     daemon_hooks.install_daemon_hooks()
 
-    # sglang 0.5.23's __main__ block (weight_cache/daemon.py:889-926), unchanged.
+    # sglang 0.5.23's __main__ block (see the module docstring), unchanged.
     from sglang.srt.platforms import current_platform
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.weight_cache import daemon as sglang_daemon

@@ -12,6 +12,9 @@ Before that:
   when ``ep_dispatch_algorithm`` is set (expert_location_dispatch.py:45-47), which it does for
   ``--enable-eplb`` or a non-trivial ``--init-expert-location`` (parallel_hook.py:766-775);
   without it the engine routes as if every expert were in its initial slot.
+
+The adopted metadata is copied into the engine's with ``ExpertLocationMetadata.update`` over
+every layer, the call sglang's own rebalance makes (expert_location_updater.py:73).
 """
 
 from __future__ import annotations
@@ -117,9 +120,9 @@ def adopt_map(
 
     A map equal to ``current``'s is kept as is (no check can fail then: the engine already
     routes with it). Otherwise both checks run, and the metadata built from the map is copied
-    into ``current`` in place with ``ExpertLocationMetadata.update`` over every layer, the call
-    sglang's own rebalance uses (expert_location_updater.py:73), so objects that already hold
-    ``current`` (the expert distribution recorder) see the adopted layout too.
+    into ``current`` in place with ``ExpertLocationMetadata.update`` over every layer (as
+    sglang's own rebalance does), so objects that already hold ``current`` (the expert
+    distribution recorder) see the adopted layout too.
     """
     check_map_shape(physical_to_logical_map, current)
     if map_of(current) == [list(row) for row in physical_to_logical_map]:
