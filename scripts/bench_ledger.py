@@ -408,9 +408,8 @@ def main() -> None:
     pk = long["primary key"]
     print(f"    reading the same {GEOMETRY.num_layers} rows by primary key: {ms(pk)}")
     ratio = long["reconstruction"] / pk
-    print(
-        f"    reconstruction / primary-key read after {long_history:,}: {ratio:.2f}   (target <= 1.5)"
-    )
+    label = f"reconstruction / primary-key read after {long_history:,}"
+    print(f"    {label}: {ratio:.2f}   (target <= 1.5)")
     print()
     print(
         f"(c) bytes on disk per committed layer row ({GEOMETRY.num_physical_slots} slots): "
