@@ -113,7 +113,7 @@ class Workspace:
             )
             daemon.process.start()
             self._daemons.append(daemon)
-            wait_until_serving(socket_path, daemon.is_alive, describe=daemon.log)
+            wait_until_serving(socket_path, daemon.is_alive, describe=_exit_and_log(daemon))
             started.append(daemon)
         return started
 
@@ -209,6 +209,11 @@ def _import_parent_side() -> None:
     # sglang's framing of every daemon request (it imports sglang), and torch.
     for module in ("sglang.srt.weight_cache.protocol", "harness.shared_experts"):
         importlib.import_module(module)
+
+
+def _exit_and_log(daemon: Any) -> Any:
+    """What to say of a daemon that did not start: how it exited, and its log."""
+    return lambda: f"exit code {daemon.wait(1.0)}; log: {daemon.log() or '(empty)'}"
 
 
 def _run_daemon(argv: list[str], log_path: str) -> None:
