@@ -349,7 +349,7 @@ class LayoutRecord:
             self._append_refusal(kind, engine_id, reason, self._clock())
 
     def _append_refusal(self, kind: str, engine_id: Any, reason: str, at: str) -> None:
-        named = engine_id if isinstance(engine_id, str) else None
+        named = rules.recordable_engine_id(engine_id)
         self.journal.append(
             [
                 ev.Event(
