@@ -55,12 +55,10 @@ class StateView(Protocol):
 
 
 def check_engine_id(engine_id: Any) -> str:
-    """An engine id is a non-empty, printable string of at most ``MAX_ENGINE_ID`` characters.
+    """An engine id is a non-empty string of at most ``MAX_ENGINE_ID`` characters.
 
-    Printable as Python's ``str.isprintable`` says: no control, format, separator (but the ASCII
-    space), surrogate, private-use or unassigned character. Ids travel into the ledger, the
-    daemon's log and the operator's terminal, where a newline or an escape sequence would let
-    an id forge output. A refusal shows the id only as ``shown_engine_id`` writes it.
+    Every transition applies it, a replayed one too. A request's id must also be printable
+    text (``check_request_engine_id``).
     """
     if not isinstance(engine_id, str) or not engine_id:
         raise errors.InvalidRequest(
@@ -71,12 +69,26 @@ def check_engine_id(engine_id: Any) -> str:
             f"engine_id is {len(engine_id)} characters; at most {MAX_ENGINE_ID} are allowed "
             f"(got {shown_engine_id(engine_id)})"
         )
-    if not engine_id.isprintable():
+    return engine_id
+
+
+def check_request_engine_id(engine_id: Any) -> str:
+    """The engine id a request may name: ``check_engine_id``'s, and printable text.
+
+    Printable as Python's ``str.isprintable`` says: no control, format, separator (but the ASCII
+    space), surrogate, private-use or unassigned character. Ids travel into the ledger, the
+    daemon's log and the operator's terminal, where a newline or an escape sequence would let
+    an id forge output. The record applies this to every request that names an engine (attach,
+    begin, commit, abort, fetch), before its transition; a replay runs the transitions on the
+    stored ids as they are, leaving their text to ``verify`` as it leaves every stored text.
+    """
+    valid_id = check_engine_id(engine_id)
+    if not valid_id.isprintable():
         raise errors.InvalidRequest(
             f"engine_id must be printable text (no control, format or line separator "
-            f"characters), got {shown_engine_id(engine_id)}"
+            f"characters), got {shown_engine_id(valid_id)}"
         )
-    return engine_id
+    return valid_id
 
 
 def shown_engine_id(engine_id: str) -> str:
@@ -88,12 +100,10 @@ def shown_engine_id(engine_id: str) -> str:
 
 
 def recordable_engine_id(engine_id: Any) -> str | None:
-    """The engine id a refusal's event stores: the id if the rules accept it, else None.
-
-    A refused id is never stored raw; the refusal's reason shows it (``shown_engine_id``).
-    """
+    """The engine id a refused request's event stores: the id if a request may name it, else
+    None (a refused id is never stored; the refusal's reason shows it, ``shown_engine_id``)."""
     try:
-        return check_engine_id(engine_id)
+        return check_request_engine_id(engine_id)
     except errors.InvalidRequest:
         return None
 

@@ -163,7 +163,7 @@ class ConnectionThreads:
             _shut_down(own)
         except Exception as exc:
             # What sglang's serve loop does with an exception from _handle_connection.
-            logger.error("error handling a connection: %s", exc, exc_info=True)
+            logger.error("Error handling connection: %s", exc, exc_info=True)
             _shut_down(own)
         finally:
             self._release(own)

@@ -20,7 +20,7 @@ import pytest
 from harness.daemon_control import DaemonProcess, request, send_raw, start_daemon
 from layout_ledger import protocol as msg
 from layout_ledger.errors import InvalidRequest
-from layout_ledger.rules import MAX_ENGINE_ID, check_engine_id, shown_engine_id
+from layout_ledger.rules import MAX_ENGINE_ID, check_request_engine_id, shown_engine_id
 
 FORGING = "engine-a\nstate: clean\x1b[0m\x1b[2K"
 UNPRINTABLE = [
@@ -42,7 +42,7 @@ def test_an_engine_id_that_is_not_printable_text_is_refused_and_shown_escaped(
     engine_id: str,
 ) -> None:
     with pytest.raises(InvalidRequest, match="engine_id must be printable text") as refused:
-        check_engine_id(engine_id)
+        check_request_engine_id(engine_id)
     reason = str(refused.value)
     assert reason.isascii() and reason.isprintable()
     assert shown_engine_id(engine_id) in reason
@@ -50,17 +50,19 @@ def test_an_engine_id_that_is_not_printable_text_is_refused_and_shown_escaped(
 
 @pytest.mark.parametrize("engine_id", PRINTABLE, ids=repr)
 def test_printable_engine_ids_of_at_most_256_characters_are_accepted(engine_id: str) -> None:
-    assert check_engine_id(engine_id) == engine_id
+    assert check_request_engine_id(engine_id) == engine_id
 
 
 def test_a_long_engine_id_is_refused_and_its_reason_shows_only_its_first_64_characters() -> None:
     long_id = "\x1b[31m" + "e" * 1019
-    with pytest.raises(InvalidRequest, match="engine_id is 1024 characters; at most 256") as refused:
-        check_engine_id(long_id)
+    with pytest.raises(
+        InvalidRequest, match="engine_id is 1024 characters; at most 256"
+    ) as refused:
+        check_request_engine_id(long_id)
     reason = str(refused.value)
     assert reason.isascii() and reason.isprintable() and len(reason) < 200
     assert "the first 64 of 1024 characters" in reason
-    assert len(check_engine_id("e" * MAX_ENGINE_ID)) == MAX_ENGINE_ID
+    assert len(check_request_engine_id("e" * MAX_ENGINE_ID)) == MAX_ENGINE_ID
 
 
 @pytest.fixture
