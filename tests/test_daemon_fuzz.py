@@ -38,6 +38,7 @@ from harness.daemon_control import (
     send_raw,
     start_daemon,
 )
+from harness.daemon_fuzz import run_fuzz
 from harness.fuzz_requests import (
     HOLDER,
     LAYERS,
@@ -162,3 +163,12 @@ def test_random_malformed_requests_never_crash_the_daemon_or_change_the_record(
         daemon.socket_path, HOLDER, {layer: [0] * PHYSICAL for layer in PENDING_LAYERS}
     ).ok
     holder.close()
+
+
+def test_the_fuzz_scripts_core_finds_no_fault_in_a_short_run(tmp_path: Path) -> None:
+    """``scripts/fuzz_daemon.py``'s core, 50 requests: valid and malformed, engines ending."""
+    tally = run_fuzz(tmp_path, 50, seed=0, restart_every=30)
+    assert tally.requests >= 50
+    faults = (tally.daemon_crashes, tally.rule_breaks, tally.refused_changes)
+    assert faults == (0, 0, 0), tally.problems
+    assert tally.verify_failures == 0 and tally.verifies >= 2, tally.problems

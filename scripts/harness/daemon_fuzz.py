@@ -54,6 +54,9 @@ REFUSAL_STATUSES = frozenset({msg.REFUSED, msg.BUSY, msg.LAYOUT_REFUSED})
 STEPS_PER_EXAMPLE = 25
 MAX_ENGINES = 3
 DETACH_WAIT = 15.0
+# Requests a daemon keeps running once dirty or with moves disabled (a non-following fetch),
+# both of which only a restart ends.
+STUCK_FOR = 100
 GEOMETRY = Geometry(num_layers=LAYERS, num_physical_slots=PHYSICAL, num_logical_experts=LOGICAL)
 NOT_A_FRAME = object()  # what the daemon reads from bytes that are not one whole request
 
@@ -174,7 +177,10 @@ class FuzzSession:
         self._new_shadow()
         self.config = request(self.daemon.socket_path, {"type": "query_config"})["config"]
         self.ledger = sqlite3.connect(f"file:{self.ledger_path}?mode=ro", uri=True)
-        self.counts = self.ledger_counts()
+        (self.last_event_id,) = self.ledger.execute(
+            "SELECT coalesce(max(event_id), 0) FROM ledger_events"
+        ).fetchone()
+        self.counts = (0, 0)
         self.requests_at_start = self.tally.requests
         self.stuck_since = None
 
@@ -203,7 +209,7 @@ class FuzzSession:
         if state.dirty is not None or state.non_following_fetch:
             self.stuck_since = self.stuck_since or self.tally.requests
         if since_start >= self.restart_every or (
-            self.stuck_since is not None and self.tally.requests - self.stuck_since > 60
+            self.stuck_since is not None and self.tally.requests - self.stuck_since > STUCK_FOR
         ):
             self.stop()
             self.start()
@@ -219,15 +225,17 @@ class FuzzSession:
             self.tally.fault("verify_failures", out.getvalue())
 
     def ledger_counts(self) -> tuple[int, int]:
-        """Refusal audit entries and other events in the ledger (prune bookkeeping aside)."""
-        refusals, others = 0, 0
-        for kind, count in self.ledger.execute(
-            "SELECT kind, count(*) FROM ledger_events WHERE kind != 'prune' GROUP BY kind"
+        """Refusal audit entries and other events this daemon added (prune bookkeeping aside)."""
+        refusals, others = self.counts
+        for event_id, kind in self.ledger.execute(
+            "SELECT event_id, kind FROM ledger_events WHERE event_id > ? ORDER BY event_id",
+            (self.last_event_id,),
         ):
+            self.last_event_id = event_id
             if _is_refusal(kind):
-                refusals += count
-            else:
-                others += count
+                refusals += 1
+            elif kind != ev.PRUNE:
+                others += 1
         return refusals, others
 
     def check_alive(self, after: str) -> bool:
@@ -441,9 +449,13 @@ VALID_STEPS = st.builds(
 
 
 def steps_strategy(config: dict[str, Any]) -> st.SearchStrategy[Any]:
-    """Half malformed or must-fail requests, half valid steps of several engines."""
+    """Half malformed or must-fail requests, half valid steps of several engines.
+
+    A coin picks which (Hypothesis would favour one branch of a ``one_of``).
+    """
     attach_ids = st.one_of(bad_engine_ids, st.integers(0, 7).map(AttachedEngine))
-    return st.one_of(requests_strategy(config, attach_ids), VALID_STEPS)
+    malformed = requests_strategy(config, attach_ids)
+    return st.booleans().flatmap(lambda heads: malformed if heads else VALID_STEPS)
 
 
 def run_step(session: FuzzSession, step: Any) -> None:
