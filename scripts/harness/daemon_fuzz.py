@@ -51,7 +51,7 @@ from layout_ledger.record import LayoutRecord
 from layout_ledger.service import LayoutService
 
 REFUSAL_STATUSES = frozenset({msg.REFUSED, msg.BUSY, msg.LAYOUT_REFUSED})
-STEPS_PER_EXAMPLE = 25
+STEPS_PER_EXAMPLE = 10
 MAX_ENGINES = 3
 DETACH_WAIT = 15.0
 # Requests a daemon keeps running once dirty or with moves disabled (a non-following fetch),
