@@ -361,11 +361,23 @@ class LayoutRecord:
             ]
         )
 
+    def check_request_engine_id(self, verb: str, engine_id: Any) -> None:
+        """Refuse a request whose engine id ``rules.check_request_engine_id`` refuses."""
+        with self._lock:
+            try:
+                rules.check_request_engine_id(engine_id)
+            except RequestRefused as exc:
+                self._refuse(verb, engine_id, exc)
+
     def _refuse(self, verb: str, engine_id: Any, exc: LedgerError) -> NoReturn:
-        """Record the refusal's one event, then raise it (a failed record is only logged)."""
+        """Record the refusal's one event, then raise it (a failed record is only logged).
+
+        The event names the engine only by an id a request may name (``rules``).
+        """
         kind = ev.BEGIN_BUSY if isinstance(exc, MoveBusy) else ev.refused_kind(verb)
+        named = rules.recordable_engine_id(engine_id)
         try:
-            self._append_refusal(kind, engine_id, str(exc), self._clock())
+            self._append_refusal(kind, named, str(exc), self._clock())
         except LedgerError as failure:
             logger.error("could not record a refused %s in the ledger: %s", verb, failure)
         raise exc

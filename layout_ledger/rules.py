@@ -26,6 +26,8 @@ from layout_ledger.protocol import PendingMove
 from layout_ledger.state import DirtyMark
 
 MAX_ENGINE_ID = 256
+# How many characters of a refused engine id its refusal's reason shows (escaped).
+SHOWN_ENGINE_ID_CHARS = 64
 
 # Why a served fetch counts as non-following (the reason its event records).
 FETCH_WITHOUT_FIELD = (
@@ -53,15 +55,57 @@ class StateView(Protocol):
 
 
 def check_engine_id(engine_id: Any) -> str:
+    """An engine id is a non-empty string of at most ``MAX_ENGINE_ID`` characters.
+
+    Every transition applies it, a replayed one too. A request's id must also be printable
+    text (``check_request_engine_id``).
+    """
     if not isinstance(engine_id, str) or not engine_id:
         raise errors.InvalidRequest(
             f"engine_id must be a non-empty string, got {type(engine_id).__name__}"
         )
     if len(engine_id) > MAX_ENGINE_ID:
         raise errors.InvalidRequest(
-            f"engine_id is {len(engine_id)} characters; at most {MAX_ENGINE_ID} are allowed"
+            f"engine_id is {len(engine_id)} characters; at most {MAX_ENGINE_ID} are allowed "
+            f"(got {shown_engine_id(engine_id)})"
         )
     return engine_id
+
+
+def check_request_engine_id(engine_id: Any) -> str:
+    """The engine id a request may name: ``check_engine_id``'s, and printable text.
+
+    Printable as Python's ``str.isprintable`` says: no control, format, separator (but the ASCII
+    space), surrogate, private-use or unassigned character. Ids travel into the ledger, the
+    daemon's log and the operator's terminal, where a newline or an escape sequence would let
+    an id forge output. The record applies this to every request that names an engine (attach,
+    begin, commit, abort, fetch), before its transition; a replay runs the transitions on the
+    stored ids as they are, leaving their text to ``verify`` as it leaves every stored text.
+    """
+    valid_id = check_engine_id(engine_id)
+    if not valid_id.isprintable():
+        raise errors.InvalidRequest(
+            f"engine_id must be printable text (no control, format or line separator "
+            f"characters), got {shown_engine_id(valid_id)}"
+        )
+    return valid_id
+
+
+def shown_engine_id(engine_id: str) -> str:
+    """A refused engine id as a reason shows it: its first characters, escaped to ASCII."""
+    shown = ascii(engine_id[:SHOWN_ENGINE_ID_CHARS])
+    if len(engine_id) > SHOWN_ENGINE_ID_CHARS:
+        shown += f" (the first {SHOWN_ENGINE_ID_CHARS} of {len(engine_id)} characters)"
+    return shown
+
+
+def recordable_engine_id(engine_id: Any) -> str | None:
+    """The engine id a refused request's event stores: the id if a request may name it, else
+    None (a refused id is never stored; the refusal's reason shows it, ``shown_engine_id``)."""
+    try:
+        return check_request_engine_id(engine_id)
+    except errors.InvalidRequest:
+        return None
 
 
 def check_attach(state: StateView, engine_id: Any) -> str:

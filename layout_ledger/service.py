@@ -4,7 +4,8 @@
 requests that arrive on the daemon's control socket, keeps an attach connection open when
 ``attach`` answers ``ok``, and calls ``detach`` when that connection reaches EOF.
 
-It is one table from request type to the record's transition (``TRANSITIONS``) and one mapping
+It is one table from request type to the record's transition (``TRANSITIONS``; a request that
+names an engine first has its id checked by the record, ``NAMES_ENGINE``) and one mapping
 from what a transition raises to a status: ``MoveBusy`` -> ``busy``, ``RequestRefused`` ->
 ``refused`` (``layout_refused`` for a fetch), any other ``LedgerError`` (the ledger could not
 record the change, so it was not applied) -> ``error``. The record itself writes a refusal's one
@@ -73,6 +74,10 @@ def _abort(record: LayoutRecord, request: Request) -> Reply:
     return msg.ok_reply()
 
 
+# The requests that name an engine, with the verb of their refusal: the record refuses an
+# engine id a request may not name (``rules.check_request_engine_id``) before the transition.
+NAMES_ENGINE = {msg.ATTACH: "attach", msg.BEGIN: "begin", msg.COMMIT: "commit", msg.ABORT: "abort"}
+
 TRANSITIONS: dict[str, Callable[[LayoutRecord, Request], Reply]] = {
     msg.ATTACH: _attach,
     msg.QUERY: _query,
@@ -101,6 +106,9 @@ class LayoutService:
                 _NO_RECORD_STATUS.get(str(kind), msg.REFUSED), NO_RECORD_REASON
             )
         try:
+            verb = NAMES_ENGINE.get(str(kind))
+            if verb is not None:
+                self.record.check_request_engine_id(verb, request.get("engine_id"))
             return transition(self.record, request)
         except MoveBusy as exc:
             return msg.refusal_reply(msg.BUSY, str(exc))
@@ -116,8 +124,11 @@ class LayoutService:
         record = self.record
         if record is None:
             return None
+        field = request.get(msg.FETCH_LAYOUT_FIELD)
         try:
-            verdict = record.fetch(request.get(msg.FETCH_LAYOUT_FIELD))
+            if isinstance(field, dict) and field.get("engine_id") is not None:
+                record.check_request_engine_id("fetch", field.get("engine_id"))
+            verdict = record.fetch(field)
         except RequestRefused as exc:
             logger.warning("refused a weight fetch: %s", exc)
             return msg.refusal_reply(msg.LAYOUT_REFUSED, str(exc))

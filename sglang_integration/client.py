@@ -47,8 +47,9 @@ __all__ = [
     "query",
 ]
 
-# Seconds for each connect, send and receive. The daemon serves connections one at a time and
-# bounds each exchange with 30 s itself, so a healthy daemon answers well within this.
+# Seconds for each connect, send and receive. The daemon serves each connection on its own
+# thread and bounds each request and reply itself (5 s by default), so a healthy daemon answers
+# well within this.
 DEFAULT_REQUEST_TIMEOUT = 30.0
 
 

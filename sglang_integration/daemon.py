@@ -16,6 +16,7 @@ Ledger flags (each also settable by environment, see ``ledger_paths``):
   --expert-layout-ledger TEMPLATE     ledger path template with {device_uuid}
   --expert-layout-keep-versions N     history kept per incarnation (rows of the last N versions)
   --expert-layout-prune-every N       prune automatically every N commits
+  --expert-layout-request-timeout S   seconds a client has for its request, and for its reply
 """
 
 from __future__ import annotations
@@ -53,6 +54,17 @@ def add_ledger_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"prune the ledger every N commits (env {ledger_paths.PRUNE_EVERY_ENV})",
     )
+    parser.add_argument(
+        "--expert-layout-request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=(
+            "seconds a client has to send its whole request (from the accept), and again to "
+            "take its reply, before the daemon drops the connection (env "
+            f"{ledger_paths.REQUEST_TIMEOUT_ENV}; default {ledger_paths.DEFAULT_REQUEST_TIMEOUT:g})"
+        ),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -73,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             ledger_args.expert_layout_ledger,
             ledger_args.expert_layout_keep_versions,
             ledger_args.expert_layout_prune_every,
+            ledger_args.expert_layout_request_timeout,
         )
     except ledger_paths.LedgerSettingError as exc:
         ledger_parser.error(str(exc))

@@ -9,13 +9,20 @@ This module is the one place that knows the daemon's internals (``weight_cache/d
   (``ledger_paths``), starts a new incarnation at version 0 and keeps a ``LayoutService`` on the
   daemon. Without ``--enable-eplb`` (or for a model without routed experts) the service has no
   record and answers the layout requests with ``no_record``.
-- ``WeightCacheDaemon.serve`` accepts connections one at a time, gives each a 30 s timeout,
-  calls ``_handle_connection(conn)`` and always ``conn.close()``\\ s it after, logging (never
-  raising) any exception. ``around_serve`` ends the ledger incarnation cleanly when the loop
-  stops (SIGTERM/SIGINT) and stops the attach watcher.
+- ``WeightCacheDaemon.serve`` binds its socket, ``listen(8)``\\ s, accepts connections one at a
+  time, gives each a 30 s timeout, calls ``_handle_connection(conn)`` and always
+  ``conn.close()``\\ s it after, logging (never raising) any exception. ``around_serve`` runs it
+  with a listen backlog of at least ``LISTEN_BACKLOG`` (``_listen_backlog``: for the call, the
+  daemon module's name ``socket`` is the socket module with a ``socket`` class whose ``listen``
+  raises the backlog; serve uses that name only for this socket and ``socket.timeout``), then
+  stops the connection threads and the attach watcher and ends the ledger incarnation cleanly
+  when the loop stops (SIGTERM/SIGINT).
 - ``WeightCacheDaemon._handle_connection`` reads one request with ``recv_msg`` and branches on
-  ``req.get("type")``. ``around_handle_connection`` reads the request itself through sglang's
-  own ``recv_msg`` while keeping the frame's bytes, then:
+  ``req.get("type")``. ``around_handle_connection`` hands the connection to the daemon's
+  ``ConnectionThreads`` and returns, so serve's loop goes back to ``accept`` at once; on its own
+  thread, within the request and reply deadlines (``bounded_connections``), the connection is
+  served as follows. The request is read through sglang's own ``recv_msg`` while keeping the
+  frame's bytes, then:
 
   * the five ``expert_layout_*`` types go to the service; an ``ok`` attach hands a duplicate of
     the connection to the ``AttachWatcher`` before the reply is sent, so the connection outlives
@@ -40,19 +47,25 @@ Replies are built by ``layout_ledger.protocol`` (docs/protocol.md).
 
 Where in sglang 0.5.23's ``weight_cache/daemon.py`` (line numbers, to recheck on an upgrade):
 ``load`` 252-401, its ``_initialize_eplb_expert_location_metadata`` call 326 (defined 474-489);
-``serve`` 491-554; ``_handle_connection`` 556-611, its config test 566-567;
+``serve`` 491-554, its ``socket.socket`` 497, ``listen(8)`` 503, ``socket.timeout`` 546, the
+per-connection timeout 535 (``CLIENT_CONNECTION_TIMEOUT`` 87); ``_handle_connection`` 556-611, its
+config test 566-567;
 ``run_weight_cache_daemon`` 625-658; ``spawn_weight_cache_daemon`` 681-696, its spawn 690-696.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import socket
-from collections.abc import Callable
+import sys
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +77,7 @@ from layout_ledger.record import LayoutRecord
 from layout_ledger.service import LayoutService
 from sglang_integration import ledger_paths
 from sglang_integration.attach_watcher import AttachWatcher, WatcherStopped
+from sglang_integration.bounded_connections import BoundedConnection, ConnectionThreads
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +90,24 @@ SPAWN_TARGET = f"{_DAEMON_MODULE}.spawn_weight_cache_daemon"
 # The attribute of a WeightCacheDaemon that holds its DaemonLayoutSide.
 _LAYOUT_ATTR = "_expert_layout"
 
+# The daemon's listen backlog (sglang listens with 8: a burst of engine ranks connecting at
+# once, each with a timeout and so a non-blocking connect, got EAGAIN). Linux caps it at
+# net.core.somaxconn.
+LISTEN_BACKLOG = 4096
+
 
 @dataclass
 class DaemonLayoutSide:
-    """The expert layout side of one daemon: its service, attach watcher and ledger."""
+    """The expert layout side of one daemon: its service, connections, watcher and ledger."""
 
     service: LayoutService
     watcher: AttachWatcher
+    connections: ConnectionThreads
     ledger: Ledger | None = None
 
     def close(self) -> None:
-        """Stop watching attach connections, then end the ledger incarnation cleanly."""
+        """Stop serving connections and watching attach connections, then end the incarnation."""
+        self.connections.stop()
         self.watcher.stop()
         if self.ledger is not None:
             self.ledger.close()
@@ -155,8 +176,18 @@ def open_ledger_record(
     return ledger, record
 
 
-def set_daemon_layout(daemon: Any, service: LayoutService, ledger: Ledger | None = None) -> None:
-    """Give ``daemon`` its layout side and start its attach watcher."""
+def set_daemon_layout(
+    daemon: Any,
+    service: LayoutService,
+    ledger: Ledger | None = None,
+    request_timeout: float | None = None,
+) -> None:
+    """Give ``daemon`` its layout side and start its attach watcher.
+
+    ``request_timeout``: the connection deadline in seconds (None: ``ledger_paths``' setting).
+    """
+    if request_timeout is None:
+        request_timeout = ledger_paths.request_timeout_from_env()
     previous = getattr(daemon, _LAYOUT_ATTR, None)
     if previous is not None:
         raise RuntimeError("this daemon already has an expert layout service")
@@ -175,7 +206,8 @@ def set_daemon_layout(daemon: Any, service: LayoutService, ledger: Ledger | None
 
     watcher = AttachWatcher(detach)
     watcher.start()
-    setattr(daemon, _LAYOUT_ATTR, DaemonLayoutSide(service=service, watcher=watcher, ledger=ledger))
+    connections = ConnectionThreads(request_timeout)
+    setattr(daemon, _LAYOUT_ATTR, DaemonLayoutSide(service, watcher, connections, ledger))
 
 
 def daemon_layout(daemon: Any) -> DaemonLayoutSide | None:
@@ -205,6 +237,7 @@ def config_fingerprint(config_dict: dict[str, Any]) -> str:
 
 def around_load(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``WeightCacheDaemon.load``: load, then open the record of the initial layout."""
+    request_timeout = ledger_paths.request_timeout_from_env()  # a bad setting fails first
     result = original_fn(daemon, *args, **kwargs)
     try:
         ledger, record = _open_record_after_load(daemon)
@@ -212,7 +245,7 @@ def around_load(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwar
         # One line, no traceback: the daemon cannot keep a record it trusts, so it stops.
         logger.error("the expert layout ledger cannot be opened, the daemon stops: %s", exc)
         raise SystemExit(2) from None
-    set_daemon_layout(daemon, LayoutService(record), ledger)
+    set_daemon_layout(daemon, LayoutService(record), ledger, request_timeout)
     return result
 
 
@@ -253,11 +286,40 @@ def _open_record_after_load(daemon: Any) -> tuple[Ledger | None, LayoutRecord | 
 
 
 def around_serve(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``WeightCacheDaemon.serve``: when the loop ends, end the incarnation cleanly."""
+    """AROUND ``WeightCacheDaemon.serve``: a larger listen backlog; when the loop ends, stop
+    serving connections and end the incarnation cleanly."""
     try:
-        return original_fn(daemon, *args, **kwargs)
+        with _listen_backlog(sys.modules[_DAEMON_MODULE], LISTEN_BACKLOG):
+            return original_fn(daemon, *args, **kwargs)
     finally:
         close_daemon_layout(daemon)
+
+
+class _BacklogSocketModule(types.ModuleType):
+    """The socket module, except that its ``socket`` class listens with a larger backlog."""
+
+    def __init__(self, backlog: int) -> None:
+        super().__init__(socket.__name__)
+
+        class ListeningSocket(socket.socket):
+            def listen(self, requested: int = backlog, /) -> None:
+                super().listen(max(requested, backlog))
+
+        self.socket = ListeningSocket
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(socket, name)
+
+
+@contextlib.contextmanager
+def _listen_backlog(daemon_module: types.ModuleType, backlog: int) -> Iterator[None]:
+    """While serve runs, the daemon module's ``socket`` listens with at least ``backlog``."""
+    original = daemon_module.socket
+    daemon_module.socket = _BacklogSocketModule(backlog)
+    try:
+        yield
+    finally:
+        daemon_module.socket = original
 
 
 # --- WeightCacheDaemon._handle_connection ---------------------------------------------------------
@@ -266,7 +328,7 @@ def around_serve(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwa
 class _RecordingConnection:
     """Reads through to the connection and keeps every byte read (one request frame)."""
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: BoundedConnection) -> None:
         self._conn = conn
         self.received = bytearray()
 
@@ -279,7 +341,7 @@ class _RecordingConnection:
 class _ReplayConnection:
     """The connection, with the already-read frame served again to the first reads."""
 
-    def __init__(self, conn: socket.socket, already_read: bytes) -> None:
+    def __init__(self, conn: BoundedConnection, already_read: bytes) -> None:
         self._conn = conn
         self._replay = memoryview(bytes(already_read))
 
@@ -294,26 +356,36 @@ class _ReplayConnection:
 
 
 def around_handle_connection(original_fn: Callable[..., Any], daemon: Any, conn: Any) -> Any:
-    """AROUND ``WeightCacheDaemon._handle_connection``: see the module docstring."""
+    """AROUND ``WeightCacheDaemon._handle_connection``: serve ``conn`` on its own thread."""
     layout = daemon_layout(daemon)
     if layout is None:
         return original_fn(daemon, conn)  # no layout side (load() did not run through the hook)
+    layout.connections.submit(
+        conn, functools.partial(_serve_connection, original_fn, daemon, layout)
+    )
+    return None
+
+
+def _serve_connection(
+    original_fn: Callable[..., Any], daemon: Any, layout: DaemonLayoutSide, conn: BoundedConnection
+) -> None:
+    """One connection, on its thread: see the module docstring."""
     from sglang.srt.weight_cache.protocol import recv_msg, send_msg
 
     recording = _RecordingConnection(conn)
-    # sglang's framing, size cap and restricted unpickler; what it raises, serve logs (as for
-    # the original handler, whose first line is this same call).
+    # sglang's framing, size cap and restricted unpickler; what it raises, the connection
+    # thread logs as serve logs it (the original handler's first line is this same call).
     request = recv_msg(recording)
     kind = request.get("type") if isinstance(request, dict) else None
     if isinstance(kind, str) and kind in protocol.LAYOUT_REQUEST_TYPES:
         _answer_layout_request(layout, conn, request, kind)
-        return None
+        return
     if kind == protocol.FETCH_STATE and _config_matches(daemon, request):
         refusal = _check_fetch(layout.service, request)
         if refusal is not None:
             send_msg(conn, refusal)
-            return None
-    return original_fn(daemon, _ReplayConnection(conn, bytes(recording.received)))
+            return
+    original_fn(daemon, _ReplayConnection(conn, bytes(recording.received)))
 
 
 def _config_matches(daemon: Any, request: dict[str, Any]) -> bool:
@@ -341,7 +413,7 @@ def _check_fetch(service: LayoutService, request: dict[str, Any]) -> dict[str, A
 
 
 def _answer_layout_request(
-    layout: DaemonLayoutSide, conn: socket.socket, request: dict[str, Any], kind: str
+    layout: DaemonLayoutSide, conn: BoundedConnection, request: dict[str, Any], kind: str
 ) -> None:
     from sglang.srt.weight_cache.protocol import send_msg
 
@@ -359,9 +431,9 @@ def _answer_layout_request(
 
 
 def _keep_attach_connection(
-    layout: DaemonLayoutSide, conn: socket.socket, engine_id: str, reply: dict[str, Any]
+    layout: DaemonLayoutSide, conn: BoundedConnection, engine_id: str, reply: dict[str, Any]
 ) -> dict[str, Any]:
-    """Hand a duplicate of ``conn`` to the watcher; serve closes only its own descriptor.
+    """Hand a duplicate of ``conn`` to the watcher; the connection thread closes only its own.
 
     Done before the reply is sent: if the engine is gone by then, the watcher sees the EOF.
     """

@@ -1,4 +1,5 @@
-"""Where a weight cache daemon keeps its expert layout ledger, and how much history it keeps.
+"""Where a weight cache daemon keeps its expert layout ledger, how much history it keeps, and how
+long it waits for a client's request and reply.
 
 One ledger file per daemon, i.e. per physical GPU. Like sglang's own daemon files
 (``sglang/srt/weight_cache/protocol.py``: ``get_socket_path`` fills
@@ -14,7 +15,9 @@ environment variable below, so the daemons it spawns see it too), then
 ``SGLANG_EXPERT_LAYOUT_LEDGER_TEMPLATE``. Retention works the same way with
 ``--expert-layout-keep-versions`` / ``SGLANG_EXPERT_LAYOUT_KEEP_VERSIONS`` and
 ``--expert-layout-prune-every`` / ``SGLANG_EXPERT_LAYOUT_PRUNE_EVERY``, defaulting to the ledger
-library's ``DEFAULT_KEEP_VERSIONS`` and ``DEFAULT_PRUNE_EVERY``.
+library's ``DEFAULT_KEEP_VERSIONS`` and ``DEFAULT_PRUNE_EVERY``. The connection deadline
+(``bounded_connections``) likewise: ``--expert-layout-request-timeout`` /
+``SGLANG_EXPERT_LAYOUT_REQUEST_TIMEOUT``, in seconds, default ``DEFAULT_REQUEST_TIMEOUT``.
 
 The settings travel in the environment on purpose: an engine in ``--weight-cache-mode daemon``
 and sglang's standalone launcher start each daemon with ``multiprocessing`` spawn, and a spawned
@@ -23,6 +26,7 @@ child inherits the environment but none of the parent's parsed flags.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -31,6 +35,11 @@ from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Ret
 LEDGER_TEMPLATE_ENV = "SGLANG_EXPERT_LAYOUT_LEDGER_TEMPLATE"
 KEEP_VERSIONS_ENV = "SGLANG_EXPERT_LAYOUT_KEEP_VERSIONS"
 PRUNE_EVERY_ENV = "SGLANG_EXPERT_LAYOUT_PRUNE_EVERY"
+REQUEST_TIMEOUT_ENV = "SGLANG_EXPERT_LAYOUT_REQUEST_TIMEOUT"
+
+# Seconds a client has for its whole request (from the accept) and, separately, for taking its
+# reply. An engine's exchange is a few kilobytes over a local socket and takes milliseconds.
+DEFAULT_REQUEST_TIMEOUT = 5.0
 
 LEDGER_FILE_TEMPLATE = "sglang_expert_layout_{device_uuid}.sqlite"
 LEDGER_DIRECTORY = "sglang_expert_layouts"
@@ -111,10 +120,32 @@ def retention_from_env() -> Retention:
     )
 
 
+def check_request_timeout(value: float, name: str = REQUEST_TIMEOUT_ENV) -> float:
+    """A request timeout must be a finite, positive number of seconds."""
+    if not math.isfinite(value) or value <= 0:
+        raise LedgerSettingError(f"{name} must be a positive number of seconds, got {value!r}")
+    return value
+
+
+def request_timeout_from_env() -> float:
+    """The daemon's connection deadline in seconds: the env var (set by the flag) or 5."""
+    raw = os.environ.get(REQUEST_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_REQUEST_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise LedgerSettingError(
+            f"{REQUEST_TIMEOUT_ENV}={raw!r} must be a positive number of seconds"
+        ) from None
+    return check_request_timeout(value)
+
+
 def export_settings(
     template: str | None = None,
     keep_versions: int | None = None,
     prune_every: int | None = None,
+    request_timeout: float | None = None,
 ) -> None:
     """Hand the launcher's flags to this process and every daemon it spawns (None: unchanged)."""
     if template is not None:
@@ -125,3 +156,6 @@ def export_settings(
             if value < 1:
                 raise LedgerSettingError(f"{name} must be a positive integer, got {value}")
             os.environ[name] = str(value)
+    if request_timeout is not None:
+        check_request_timeout(request_timeout, "--expert-layout-request-timeout")
+        os.environ[REQUEST_TIMEOUT_ENV] = repr(request_timeout)

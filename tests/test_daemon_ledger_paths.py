@@ -21,6 +21,7 @@ NAMES = (
     ledger_paths.LEDGER_TEMPLATE_ENV,
     ledger_paths.KEEP_VERSIONS_ENV,
     ledger_paths.PRUNE_EVERY_ENV,
+    ledger_paths.REQUEST_TIMEOUT_ENV,
 )
 
 
@@ -110,6 +111,26 @@ def test_retention_defaults_to_the_ledger_librarys_and_rejects_nonsense(
             ledger_paths.retention_from_env()
     with pytest.raises(LedgerSettingError):
         ledger_paths.export_settings(prune_every=0)
+
+
+def test_the_request_timeout_is_5_s_unless_the_launcher_flag_or_env_var_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert ledger_paths.request_timeout_from_env() == 5.0
+    monkeypatch.setenv(ledger_paths.REQUEST_TIMEOUT_ENV, "2.5")
+    assert ledger_paths.request_timeout_from_env() == 2.5
+    parser = argparse.ArgumentParser()
+    add_ledger_args(parser)
+    args, _ = parser.parse_known_args(["--expert-layout-request-timeout", "0.75"])
+    ledger_paths.export_settings(request_timeout=args.expert_layout_request_timeout)
+    assert os.environ[ledger_paths.REQUEST_TIMEOUT_ENV] == "0.75"  # what spawned daemons read
+    assert ledger_paths.request_timeout_from_env() == 0.75
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        monkeypatch.setenv(ledger_paths.REQUEST_TIMEOUT_ENV, bad)
+        with pytest.raises(LedgerSettingError, match=ledger_paths.REQUEST_TIMEOUT_ENV):
+            ledger_paths.request_timeout_from_env()
+    with pytest.raises(LedgerSettingError):
+        ledger_paths.export_settings(request_timeout=0.0)
 
 
 def test_the_launcher_refuses_a_bad_ledger_template_before_starting_anything(

@@ -31,7 +31,9 @@ What is skipped, and why (``build_model_less_daemon``):
 
 Options beyond the contract: ``--in-memory`` keeps the record in memory (``MemoryJournal``, for
 benchmarks), ``--without-plugin`` runs sglang's daemon with no hook at all (for comparisons with
-sglang 0.5.23's own behaviour), ``--keep-versions`` / ``--prune-every`` set retention.
+sglang 0.5.23's own behaviour), ``--keep-versions`` / ``--prune-every`` set retention,
+``--request-timeout`` the connection deadline (the launcher's ``--expert-layout-request-timeout``;
+without it, ``SGLANG_EXPERT_LAYOUT_REQUEST_TIMEOUT`` or 5 s, as in a real daemon).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from layout_ledger.layout import Geometry, trivial_map
 from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Ledger, Retention
 from layout_ledger.record import LayoutRecord
 from layout_ledger.service import LayoutService
+from sglang_integration import ledger_paths
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +87,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--keep-versions", type=int, default=DEFAULT_KEEP_VERSIONS)
     parser.add_argument("--prune-every", type=int, default=DEFAULT_PRUNE_EVERY)
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a client has for its whole request, and again for its reply "
+        "(default: SGLANG_EXPERT_LAYOUT_REQUEST_TIMEOUT, else 5)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     needs_ledger = not (args.no_record or args.in_memory or args.without_plugin)
     if needs_ledger and not args.ledger:
         parser.error("--ledger is required (or pass --no-record / --in-memory)")
+    try:
+        if args.request_timeout is None:
+            args.request_timeout = ledger_paths.request_timeout_from_env()
+        ledger_paths.check_request_timeout(args.request_timeout, "--request-timeout")
+    except ledger_paths.LedgerSettingError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -232,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except LedgerError as exc:
             logger.error("cannot open the expert layout ledger: %s", exc)
             return 2
-        set_daemon_layout(daemon, service, ledger)
+        set_daemon_layout(daemon, service, ledger, args.request_timeout)
     try:
         remove_stale_socket(args.socket)
         daemon.serve()
