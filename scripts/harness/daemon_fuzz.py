@@ -180,6 +180,7 @@ class FuzzSession:
         (self.last_event_id,) = self.ledger.execute(
             "SELECT coalesce(max(event_id), 0) FROM ledger_events"
         ).fetchone()
+        self.first_event_id = self.last_event_id
         self.counts = (0, 0)
         self.requests_at_start = self.tally.requests
         self.stuck_since = None
@@ -225,17 +226,21 @@ class FuzzSession:
             self.tally.fault("verify_failures", out.getvalue())
 
     def ledger_counts(self) -> tuple[int, int]:
-        """Refusal audit entries and other events this daemon added (prune bookkeeping aside)."""
-        refusals, others = self.counts
-        for event_id, kind in self.ledger.execute(
-            "SELECT event_id, kind FROM ledger_events WHERE event_id > ? ORDER BY event_id",
-            (self.last_event_id,),
+        """Refusals recorded and other events this daemon added (prune bookkeeping aside).
+
+        Identical consecutive refusals share a row whose ``count`` grows, so refusals are the
+        sum of the counts of this daemon's refusal rows."""
+        _, others = self.counts
+        refusals = 0
+        for event_id, kind, count in self.ledger.execute(
+            "SELECT event_id, kind, count FROM ledger_events WHERE event_id > ? ORDER BY event_id",
+            (self.first_event_id,),
         ):
-            self.last_event_id = event_id
             if _is_refusal(kind):
-                refusals += 1
-            elif kind != ev.PRUNE:
+                refusals += count
+            elif kind != ev.PRUNE and event_id > self.last_event_id:
                 others += 1
+            self.last_event_id = max(self.last_event_id, event_id)
         return refusals, others
 
     def check_alive(self, after: str) -> bool:
