@@ -774,17 +774,23 @@ def _sync_directory(output: Path) -> None:
 
 
 def write_atomically(
-    output: Path, data: bytes, accept: Callable[[Path], bool] | None = None
+    output: Path,
+    data: bytes,
+    accept: Callable[[Path], bool] | None = None,
+    *,
+    temporary_suffix: str | None = None,
 ) -> bool:
-    """Write ``data`` to ``output`` through a temporary file in its directory (same suffix),
-    synced to disk, then a rename, then a sync of the directory. ``accept`` sees the complete
-    temporary file first: when it returns False or raises, the temporary file is removed and
-    ``output`` stays as it was. Returns whether ``output`` was written."""
+    """Write ``data`` to ``output`` through a temporary file in its directory (same suffix, or
+    ``temporary_suffix``), synced to disk, then a rename, then a sync of the directory.
+    ``accept`` sees the complete temporary file first: when it returns False or raises, the
+    temporary file is removed and ``output`` stays as it was. Returns whether ``output`` was
+    written."""
     directory = output.parent
     if not directory.is_dir():
         raise LedgerError(f"cannot write {output}: the directory {directory} does not exist")
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=output.suffix, dir=directory)
+        suffix = output.suffix if temporary_suffix is None else temporary_suffix
+        fd, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=suffix, dir=directory)
     except OSError as exc:
         raise LedgerError(f"cannot write {output}: {exc.strerror}") from exc
     temporary = Path(name)
