@@ -26,7 +26,7 @@ from sqlalchemy.exc import DBAPIError
 from layout_ledger.errors import LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.files import FILE_MODE
 from layout_ledger.json_shape import JsonShaped
-from layout_ledger.migrate import file_revision
+from layout_ledger.migrate import file_revision, refuse_newer
 from layout_ledger.storage import open_reader_engine
 
 
@@ -98,6 +98,7 @@ def _revision(conn: Connection, source: Path) -> str:
         raise LedgerStorageError(f"reading ledger {source} failed: {message}") from exc
     if revision is None:
         raise LedgerFileError(f"{source} is an empty SQLite file, not an expert layout ledger")
+    refuse_newer(revision, source)
     return revision
 
 

@@ -47,6 +47,7 @@ from layout_ledger.layout import Map
 from layout_ledger.path_expansion import expand_ledger_paths
 from layout_ledger.reader import LedgerReader
 from layout_ledger.row_formats import write_rows
+from layout_ledger.snapshot import require_one_readable
 from layout_ledger.terminal import PrintableFormatter, printable
 
 PROG = "layout-ledger"
@@ -364,6 +365,9 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         return verified.exit_code
     collected = fleet.collect_fleet(paths)
     _emit(args, collected.to_json(), fleet.render_fleet(collected))
+    for row in collected.ledgers:
+        if row.problem is not None:
+            _error("fleet", f"cannot read ledger {row.path}: {row.problem}")
     return collected.exit_code
 
 
@@ -375,6 +379,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     if args.serve is not None:
         return _serve_metrics(args, labels)
     collected = metrics.collect_metrics(args.paths, labels)
+    require_one_readable(collected.ledgers)
     text = metrics.exposition(collected)
     if args.output is not None:
         metrics.write_textfile(Path(args.output), text)
@@ -398,8 +403,6 @@ def _serve_metrics(args: argparse.Namespace, labels: dict[str, str]) -> int:
     """Serve until SIGTERM or SIGINT, then stop cleanly (exit 0)."""
     from layout_ledger import metrics
 
-    if args.output is not None or args.json:
-        raise UsageError(f"{PROG} metrics: error: --serve prints no -o file and no --json")
     host, port = args.serve
     stop = threading.Event()
     previous = {
@@ -748,6 +751,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.command == "export" and args.check and not args.model_path:
         parser.error("export --check needs --model-path DIR (the model's config.json)")
+    if args.command == "metrics" and args.serve is not None and (args.output or args.json):
+        parser.error("metrics --serve prints no -o file and no --json")
     return args
 
 

@@ -41,13 +41,18 @@ from layout_ledger.agreement import (
     finding_from_layout,
     pending_move_text,
 )
-from layout_ledger.errors import LedgerError
+from layout_ledger.errors import LedgerError, LedgerFileError
 from layout_ledger.json_shape import JsonObject, JsonShaped, json_field
 from layout_ledger.origin import IncarnationOrigin
 from layout_ledger.protocol import PendingMove
 from layout_ledger.reader import LedgerReader
 from layout_ledger.report import format_layers
-from layout_ledger.snapshot import LedgerSnapshot, UnreadableLedger, read_snapshots
+from layout_ledger.snapshot import (
+    LedgerSnapshot,
+    UnreadableLedger,
+    read_snapshots,
+    require_one_readable,
+)
 
 WAIT_TIMEOUT_ENV = "SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT"  # the engine's (engine_startup)
 
@@ -129,6 +134,7 @@ class FleetReport(JsonShaped):
 def collect_fleet(paths: Sequence[Path]) -> FleetReport:
     """Read every ledger and reach the engine's startup verdict over them."""
     read = read_snapshots(paths)
+    require_one_readable(read)
     ranks = _ranks(read)
     rows = tuple(_row(rank, item) for rank, item in zip(ranks, read, strict=True))
     return FleetReport(rows, _verdict(rows))
@@ -229,8 +235,8 @@ def _verdict(rows: Sequence[FleetRow]) -> FleetVerdict:
     if isinstance(decision, KeepInitialLayout):
         without = [f.rank for f in decision.without_record]
         reason = (
-            f"{_ranks_text(without)}: no daemon running; every running daemon holds the "
-            f"initial layout at version 0: an engine starting now keeps its initial layout"
+            f"{_ranks_text(without)} not running; every running daemon holds the initial "
+            f"layout at version 0: an engine starting now keeps its initial layout"
         )
         return FleetVerdict("keep_initial", None, None, reason, None)
     if not isinstance(decision, FailStartup):
@@ -245,7 +251,7 @@ def _failure_summary(rows: Sequence[FleetRow]) -> str:
         (FindingKind.DIRTY, lambda r: f"dirty: {r.dirty_reason}"),
         (FindingKind.STUCK, _pending_text),
         (FindingKind.UNREADABLE, lambda r: f"unreadable: {r.finding.reason}"),
-        (FindingKind.NO_DAEMON, lambda r: f"no daemon running ({r.daemon})"),
+        (FindingKind.NO_DAEMON, _not_running_text),
     ):
         for text, ranks in _grouped(
             (say(row), row.rank) for row in rows if row.finding.kind is kind
@@ -263,6 +269,11 @@ def _failure_summary(rows: Sequence[FleetRow]) -> str:
     elif groups:
         parts.append(described)
     return "; ".join(parts)
+
+
+def _not_running_text(row: FleetRow) -> str:
+    why = row.daemon.removeprefix("not running").lstrip(", ")
+    return f"not running ({why})" if why else "not running"
 
 
 def _pending_text(row: FleetRow) -> str:
@@ -399,8 +410,12 @@ class FleetVerifyReport(JsonShaped):
 
 
 def collect_fleet_verify(paths: Sequence[Path]) -> FleetVerifyReport:
-    """``verify`` on every ledger (each in its own snapshot)."""
-    return FleetVerifyReport(tuple(_verify_one(path) for path in paths))
+    """``verify`` on every ledger (each in its own snapshot); when none can be read at all,
+    raise why the first cannot."""
+    verified = tuple(_verify_one(path) for path in paths)
+    if all(ledger.ok is None for ledger in verified):
+        raise LedgerFileError(verified[0].detail)
+    return FleetVerifyReport(verified)
 
 
 def _verify_one(path: Path) -> VerifiedLedger:

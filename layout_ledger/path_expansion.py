@@ -52,7 +52,10 @@ def _expand_one(spec: str) -> list[Path]:
         return [path]
     ledgers = sorted(entry for entry in path.iterdir() if _is_ledger_file(entry))
     if not ledgers:
-        raise LedgerFileError(f"the directory {spec} holds no ledger (no SQLite file in it)")
+        raise LedgerFileError(
+            f"{spec} is not a regular file, and the directory holds no ledger (no SQLite file "
+            f"in it)"
+        )
     return ledgers
 
 

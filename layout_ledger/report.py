@@ -317,15 +317,17 @@ def _pending_text(pending: PendingMove) -> str:
 def origin_rows(origin: IncarnationOrigin, config_fingerprint: str) -> list[tuple[str, str]]:
     """Where an incarnation ran, as ``status`` shows it: one row per question, the parts it
     knows (``not recorded`` for a daemon that recorded none, such as one older than 0004)."""
-    process = [
+    process = " ".join(
         part
         for part in (
             None if origin.pid is None else f"pid {origin.pid}",
             None if origin.host is None else f"on host {origin.host}",
-            None if origin.socket_path is None else f"socket {origin.socket_path}",
         )
         if part is not None
-    ]
+    )
+    if origin.socket_path is not None:
+        socket_text = f"socket {origin.socket_path}"
+        process = f"{process}, {socket_text}" if process else socket_text
     device = [
         part
         for part in (
@@ -346,7 +348,7 @@ def origin_rows(origin: IncarnationOrigin, config_fingerprint: str) -> list[tupl
         if part is not None
     ]
     return [
-        ("daemon", " ".join(process) if process else _NOT_RECORDED),
+        ("daemon", process or _NOT_RECORDED),
         ("device", ", ".join(device) if device else _NOT_RECORDED),
         ("software", ", ".join(software) if software else _NOT_RECORDED),
         ("config fingerprint", config_fingerprint or _NOT_RECORDED),

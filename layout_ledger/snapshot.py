@@ -21,7 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from layout_ledger import events as ev
 from layout_ledger import reader
-from layout_ledger.errors import LedgerError
+from layout_ledger.errors import LedgerError, LedgerFileError
 from layout_ledger.liveness import Liveness, daemon_liveness
 from layout_ledger.reader import Incarnation, LedgerReader
 from layout_ledger.sql import in_list
@@ -77,9 +77,23 @@ def read_snapshots(paths: Sequence[Path]) -> list[LedgerSnapshot | UnreadableLed
     for path in paths:
         try:
             read.append(read_snapshot(path))
-        except (LedgerError, SQLAlchemyError, json.JSONDecodeError) as exc:
+        except LedgerError as exc:
             read.append(UnreadableLedger(os.fspath(path), str(exc)))
+        except (SQLAlchemyError, json.JSONDecodeError) as exc:
+            problem = (
+                f"the ledger {path} looks damaged ({type(exc).__name__}: {exc}); run "
+                f"`layout-ledger verify {path}`"
+            )
+            read.append(UnreadableLedger(os.fspath(path), problem))
     return read
+
+
+def require_one_readable(read: Sequence[LedgerSnapshot | UnreadableLedger]) -> None:
+    """With no ledger readable there is nothing to show: raise why the first one is not."""
+    unreadable = [item for item in read if isinstance(item, UnreadableLedger)]
+    if unreadable and len(unreadable) == len(read):
+        more = f" (and {len(unreadable) - 1} more unreadable)" if len(unreadable) > 1 else ""
+        raise LedgerFileError(unreadable[0].problem + more)
 
 
 def _commits(conn: Connection, incarnation_id: int) -> int:

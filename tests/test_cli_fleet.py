@@ -39,8 +39,7 @@ def engine(tmp_path: Path):
 
 
 def fleet_json(capsys, *paths: object) -> tuple[int, dict]:
-    code, out, err = run_cli(capsys, "fleet", *map(str, paths), "--json")
-    assert err == ""
+    code, out, _ = run_cli(capsys, "fleet", *map(str, paths), "--json")
     return code, json.loads(out)
 
 
@@ -135,8 +134,13 @@ def test_a_pending_move_fails_as_an_engine_that_waited_would_and_exits_4(engine,
 def test_an_unreadable_ledger_fails_naming_it_and_exits_2(engine, tmp_path, capsys):
     broken = tmp_path / "not-a-ledger.sqlite"
     broken.write_text("hello")
-    code, report = fleet_json(capsys, *engine.paths, broken)
+    code, out, err = run_cli(capsys, "fleet", *map(str, engine.paths), str(broken), "--json")
     assert code == exit_codes.UNUSABLE
+    assert err == (
+        f"layout-ledger fleet: error: cannot read ledger {broken}: {broken} is not an SQLite "
+        "database\n"
+    )
+    report = json.loads(out)
     row = report["ledgers"][RANKS]
     assert (row["rank"], row["state"], row["finding"]) == (RANKS, "unreadable", "unreadable")
     assert row["problem"] in report["verdict"]["reason"]
@@ -227,8 +231,8 @@ def test_a_path_that_names_no_ledger_is_unusable(tmp_path, capsys):
     code, out, err = run_cli(capsys, "fleet", str(tmp_path / "empty"))
     assert (code, out) == (exit_codes.UNUSABLE, "")
     assert err == (
-        f"layout-ledger fleet: error: the directory {tmp_path / 'empty'} holds no ledger (no "
-        "SQLite file in it)\n"
+        f"layout-ledger fleet: error: {tmp_path / 'empty'} is not a regular file, and the "
+        "directory holds no ledger (no SQLite file in it)\n"
     )
     template = tmp_path / "ledger_{device_uuid}.sqlite"
     code, _, err = run_cli(capsys, "fleet", str(template))
@@ -275,7 +279,7 @@ def test_two_real_daemons_adopt_then_a_sigkilled_one_fails_and_its_restart_disag
         assert code == exit_codes.INCONSISTENT
         assert report["ledgers"][1]["alive"] is False
         assert report["verdict"]["reason"] == (
-            "rank 1 no daemon running (not running, no clean end recorded); rank 0 at version 1 "
+            "rank 1 not running (no clean end recorded); rank 0 at version 1 "
             f"(digest {report['ledgers'][0]['digest'][:12]})"
         )
         daemons[1] = _daemons(tmp_path, only=1)

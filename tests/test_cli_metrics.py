@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import stat
@@ -279,3 +280,36 @@ def test_serve_exports_metrics_over_http_re_reading_the_ledgers_on_each_scrape(t
             stand_in.kill()
         for daemon in daemons:
             daemon.kill()
+
+
+def test_the_alerting_rules_use_only_series_the_exporter_writes_and_cover_the_three_incidents(
+    engine,
+):
+    yaml = pytest.importorskip("yaml")
+    rules = yaml.safe_load((ROOT / "docs" / "prometheus-alerts.yml").read_text())
+    (group,) = rules["groups"]
+    by_name = {rule["alert"]: rule for rule in group["rules"]}
+    written = {name for name, _ in parse(exposition(collect_metrics(engine.paths)).decode())}
+    written = {name.split(":")[0] for name in written}
+    for rule in by_name.values():
+        used = set(re.findall(r"sglang_expert_layout_[a-z_]+", rule["expr"]))
+        assert used and used <= written, rule["alert"]
+        assert rule["labels"]["severity"] in ("critical", "warning")
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+    dirty = by_name["ExpertLayoutDirty"]
+    assert (dirty["expr"], dirty["for"]) == ("sglang_expert_layout_dirty == 1", "0s")
+    assert by_name["ExpertLayoutMoveStuck"]["expr"] == (
+        "sglang_expert_layout_move_pending_seconds > 300"
+    )
+    versions = by_name["ExpertLayoutVersionsDiffer"]["expr"].split()
+    assert versions == [
+        "max",
+        "by",
+        "(engine)",
+        "(sglang_expert_layout_version)",
+        "!=",
+        "min",
+        "by",
+        "(engine)",
+        "(sglang_expert_layout_version)",
+    ]

@@ -91,7 +91,7 @@ def test_status_shows_the_origin_and_its_json_carries_each_field(tmp_path, capsy
     assert code == exit_codes.OK
     assert (
         "daemon:              pid 4242 on host "
-        f"{ORIGIN.host} socket /tmp/sglang_weight_cache_GPU-5c1d.sock\n"
+        f"{ORIGIN.host}, socket /tmp/sglang_weight_cache_GPU-5c1d.sock\n"
         "device:              GPU 3, GPU-5c1d1b7e-0000-4000-8000-00000000000a, TP rank 11, "
         "PP rank 0, EP rank 11\n"
         "software:            sglang 0.5.23, plugin 0.1.0\n"
