@@ -6,6 +6,10 @@ ended, the lock says it: held means running, free means the daemon is gone (SIGK
 no clean end was recorded). The lock is probed without being taken
 (``storage.writer_lock_held``), so asking never disturbs the daemon.
 
+The lock's holder writes its pid beside the ledger (``<ledger>.lock``): a lock held by another
+process than the one the incarnation recorded (``layout-ledger prune`` or ``upgrade``, which
+only take the lock while no daemon holds it) is not its daemon running.
+
 The probe sees only this machine's locks. It cannot answer, and the answer is "unknown"
 (``alive`` None), for an incarnation recorded on another host (a ledger read over shared
 storage), for a file on read-only media (an evidence copy: nobody could own it for writing),
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layout_ledger.reader import Incarnation
-from layout_ledger.storage import writer_lock_held
+from layout_ledger.storage import lock_holder_pid, writer_lock_held
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,15 @@ def daemon_liveness(
     held = writer_lock_held(path)
     if held is None:
         return Liveness(None, "unknown: the file could not be opened to probe its writer lock")
-    if held:
-        return Liveness(True, "running")
-    return Liveness(False, NO_CLEAN_END)
+    if not held:
+        return Liveness(False, NO_CLEAN_END)
+    holder, daemon = lock_holder_pid(path), inc.origin.pid
+    if holder is not None and daemon is not None and holder != daemon:
+        return Liveness(
+            False,
+            f"{NO_CLEAN_END}; pid {holder}, not its daemon (pid {daemon}), holds the writer lock",
+        )
+    return Liveness(True, "running")
 
 
 def _on_read_only_media(path: Path) -> bool:

@@ -10,6 +10,8 @@ daemons, killed with SIGKILL.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import socket
 import sqlite3
 from pathlib import Path
@@ -27,6 +29,7 @@ from layout_ledger.layout import trivial_map
 from layout_ledger.migrate import alembic_config
 from layout_ledger.origin import COLUMNS, IncarnationOrigin, installed_version
 from layout_ledger.reader import LedgerReader, incarnations
+from layout_ledger.storage import WriterLock
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -172,6 +175,33 @@ def test_status_cannot_tell_for_a_daemon_that_ran_on_another_host(tmp_path, caps
         assert json.loads(run_cli(capsys, "status", str(path), "--json")[1])["alive"] is None
     finally:
         ledger.close()
+
+
+def _start_and_die(path: Path) -> None:
+    ledger = open_ledger(path)
+    initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
+    ledger.start_incarnation(SMALL, initial, origin=ORIGIN)
+    os._exit(0)
+
+
+def test_a_writer_lock_held_by_another_process_than_the_daemon_is_not_the_daemon_running(
+    tmp_path, capsys
+):
+    path = tmp_path / "l.sqlite"
+    child = multiprocessing.get_context("fork").Process(target=_start_and_die, args=(path,))
+    child.start()  # a daemon that recorded pid 4242 and died: no end, its lock released
+    child.join(60)
+    assert child.exitcode == 0
+    prune = WriterLock(path)  # what `layout-ledger prune` holds while it runs (this pid)
+    try:
+        _, out, _ = run_cli(capsys, "status", str(path))
+        assert (
+            f"not running, no clean end recorded; pid {os.getpid()}, not its daemon (pid 4242), "
+            "holds the writer lock)\n"
+        ) in out
+        assert json.loads(run_cli(capsys, "status", str(path), "--json")[1])["alive"] is False
+    finally:
+        prune.release()
 
 
 @needs_mounts
