@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_ledgers import run_cli
+from cli_ledgers import build, execute, run_cli
 from engine_ledgers import EngineLedgers, this_host
 
 from harness.daemon_control import EngineStandIn, start_daemon
@@ -324,3 +324,17 @@ def test_two_real_daemons_with_a_pending_move_exit_4_and_dirty_after_the_engine_
     finally:
         for daemon in daemons:
             daemon.kill()
+
+
+def test_text_a_ledger_holds_never_drives_the_terminal_in_fleet_or_metrics(tmp_path, capsys):
+    path = build("clean", tmp_path / "l.sqlite")
+    execute(path, "UPDATE incarnations SET host = 'node' || char(27) || ']0;owned' || char(7)")
+    code, out, _ = run_cli(capsys, "fleet", str(path))
+    assert code == exit_codes.OK
+    assert "\x1b" not in out and "\x07" not in out
+    assert "node\\x1b]0;owned\\x07" in out.splitlines()[1]
+    assert json.loads(run_cli(capsys, "fleet", str(path), "--json")[1])["ledgers"][0]["host"] == (
+        "node\x1b]0;owned\x07"
+    )
+    _, out, _ = run_cli(capsys, "metrics", str(path))
+    assert "\x1b" not in out and 'host="node\\\\x1b]0;owned\\\\x07"' in out
