@@ -7,7 +7,8 @@ in ``layout_ledger`` so that tools reading several daemons' ledgers (the CLI) ca
 same verdict without sglang. Pure: no sglang, no torch, no I/O.
 
 Startup (``decide``, DESIGN.md "Engine side"): each rank reads its own daemon and describes it
-as a ``RankFinding``; then
+as a ``RankFinding`` (``finding_from_layout`` turns the layout it read into one, for the engine
+and for ``layout-ledger fleet`` alike); then
 
 1. any daemon dirty, any move still pending after the wait, any rank that could not read its
    daemon: fail;
@@ -35,9 +36,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from layout_ledger.layout import Map
-from layout_ledger.protocol import Outcome, Reply
+from layout_ledger.layout import Map, layout_digest
+from layout_ledger.protocol import LayoutView, Outcome, PendingMove, Reply
 
 # ================================================================ startup ====================
 
@@ -175,6 +177,52 @@ def decide(findings: Sequence[RankFinding]) -> Decision:
             )
     return KeepInitialLayout(
         without_record=tuple(without), recording_ranks=tuple(f.rank for f in recording)
+    )
+
+
+def pending_move_text(pending: PendingMove) -> str:
+    """A pending move in the words of a startup failure."""
+    return (
+        f"engine {pending.engine_id!r} began a move of layers {list(pending.layers)} from "
+        f"version {pending.base_version}"
+    )
+
+
+def finding_from_layout(
+    layout: LayoutView,
+    *,
+    rank: int,
+    socket_path: str,
+    initial_digest: str,
+    still_pending: str = "",
+) -> RankFinding:
+    """What a rank finds in its daemon's layout once it stopped waiting for a pending move.
+
+    Dirty: DIRTY with the daemon's reason. A move still pending: STUCK, the move named, then
+    ``still_pending`` (how long the rank waited). A map that does not hash to the digest the
+    daemon reports: UNREADABLE. Otherwise a RECORD of version, digest and map.
+    """
+
+    def found(kind: FindingKind, **fields: Any) -> RankFinding:
+        return RankFinding(rank, kind, socket_path, initial_digest, **fields)
+
+    if layout.dirty:
+        return found(FindingKind.DIRTY, reason=layout.dirty_reason or "marked dirty")
+    if layout.pending is not None:
+        reason = f"{pending_move_text(layout.pending)}, and it was still pending{still_pending}"
+        return found(FindingKind.STUCK, reason=reason)
+    actual = layout_digest(layout.physical_to_logical_map)
+    if actual != layout.digest:
+        return found(
+            FindingKind.UNREADABLE,
+            reason=f"the daemon's map hashes to {actual[:12]}, not to the digest "
+            f"{layout.digest[:12]} it reports",
+        )
+    return found(
+        FindingKind.RECORD,
+        version=layout.version,
+        digest=layout.digest,
+        physical_to_logical_map=layout.physical_to_logical_map,
     )
 
 

@@ -1,14 +1,16 @@
 """``layout-ledger``: the operator's command line over an expert layout ledger.
 
 Each verb is a thin wrapper: parse arguments, call one typed function of ``report``, ``verify``,
-``plot`` or ``admin``, print its human lines or its ``--json`` object (sort_keys), return
-the exit code (``layout_ledger.exit_codes``). Commands that list rows (``history``, ``diff``)
-also print them as ``--nl`` or ``--csv`` (``layout_ledger.row_formats``). A ``LedgerError``
-becomes one line on stderr and a non-zero exit, never a traceback; so does a bad argument.
+``plot``, ``admin``, ``fleet``, ``metrics`` or ``backup``, print its human lines or its
+``--json`` object (sort_keys), return the exit code (``layout_ledger.exit_codes``). Commands
+that list rows (``history``, ``diff``) also print them as ``--nl`` or ``--csv``
+(``layout_ledger.row_formats``). A ``LedgerError`` becomes one line on stderr and a non-zero
+exit, never a traceback; so does a bad argument.
 Whatever a ledger holds reaches the terminal through ``terminal.printable``: every human line
 and every error line is escaped here, in ``_emit`` and ``_error``. Read commands open the ledger
 read-only and work while its daemon writes. No verb imports sglang or torch except
-``export --check``, which loads ``layout_ledger.sglang_export_check`` when asked to.
+``export --check``, which loads ``layout_ledger.sglang_export_check`` when asked to; only
+``metrics`` imports ``prometheus_client`` (the ``metrics`` extra).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import importlib.metadata
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +32,7 @@ from typing import NoReturn
 from sqlalchemy.exc import SQLAlchemyError
 
 import layout_ledger
-from layout_ledger import admin, exit_codes, report
+from layout_ledger import admin, exit_codes, fleet, report
 from layout_ledger.errors import (
     LedgerError,
     LedgerFileError,
@@ -40,8 +44,10 @@ from layout_ledger.errors import (
 from layout_ledger.json_shape import JsonObject
 from layout_ledger.layer_ranges import LayerRanges
 from layout_ledger.layout import Map
+from layout_ledger.path_expansion import expand_ledger_paths
 from layout_ledger.reader import LedgerReader
 from layout_ledger.row_formats import write_rows
+from layout_ledger.snapshot import require_one_readable
 from layout_ledger.terminal import PrintableFormatter, printable
 
 PROG = "layout-ledger"
@@ -146,6 +152,28 @@ def _pixels(value: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(
             f"expected WIDTHxHEIGHT like 1200x800, got {value!r}"
         ) from None
+
+
+def _address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:9400``, ``:9400`` for every interface; port 0: any free one)."""
+    host, colon, port = value.rpartition(":")
+    if not colon:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT like 127.0.0.1:9400, got {value!r}")
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {port!r}")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return host or "0.0.0.0", number
+
+
+def _label(value: str) -> tuple[str, str]:
+    name, equals, text = value.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE like engine=ds-v3, got {value!r}")
+    return name, text
 
 
 # --- output -------------------------------------------------------------------------------
@@ -329,11 +357,98 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
     return exit_codes.OK
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    paths = expand_ledger_paths(args.paths)
+    if args.verify:
+        verified = fleet.collect_fleet_verify(paths)
+        _emit(args, verified.to_json(), fleet.render_fleet_verify(verified))
+        return verified.exit_code
+    collected = fleet.collect_fleet(paths)
+    _emit(args, collected.to_json(), fleet.render_fleet(collected))
+    for row in collected.ledgers:
+        if row.problem is not None:
+            _error("fleet", f"cannot read ledger {row.path}: {row.problem}")
+    return collected.exit_code
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from layout_ledger import metrics
+
+    labels = dict(args.label or ())
+    metrics.check_constant_labels(labels)
+    if args.serve is not None:
+        return _serve_metrics(args, labels)
+    collected = metrics.collect_metrics(args.paths, labels)
+    require_one_readable(collected.ledgers)
+    text = metrics.exposition(collected)
+    if args.output is not None:
+        metrics.write_textfile(Path(args.output), text)
+    payload = {
+        "output": args.output,
+        "ledgers": len(collected.ledgers),
+        "unreadable": [item.path for item in collected.unreadable],
+        "samples": metrics.samples_json(collected),
+    }
+    if args.output is not None:
+        lines = [f"wrote {args.output}: {len(collected.ledgers)} ledgers"]
+    else:
+        lines = text.decode().splitlines()
+    _emit(args, payload, lines)
+    for item in collected.unreadable:
+        _error("metrics", f"cannot read ledger {item.path}: {item.problem}")
+    return exit_codes.UNUSABLE if collected.unreadable else exit_codes.OK
+
+
+def _serve_metrics(args: argparse.Namespace, labels: dict[str, str]) -> int:
+    """Serve until SIGTERM or SIGINT, then stop cleanly (exit 0)."""
+    from layout_ledger import metrics
+
+    host, port = args.serve
+    stop = threading.Event()
+    previous = {
+        signum: signal.signal(signum, lambda *_: stop.set())
+        for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        server = metrics.serve_metrics(host, port, args.paths, labels)
+        try:
+            sys.stdout.write(
+                f"serving {server.url}: {len(args.paths)} ledger path(s), re-read read-only "
+                f"on every scrape; SIGTERM or Ctrl-C stops\n"
+            )
+            sys.stdout.flush()
+            stop.wait()
+        finally:
+            server.close()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return exit_codes.OK
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    from layout_ledger import backup
+
+    result = backup.backup_ledger(args.ledger, args.destination)
+    _emit(args, result.to_json(), backup.render_backup(result))
+    return exit_codes.OK
+
+
 # --- options several verbs share (each defined once) ----------------------------------------
 
 
 def _ledger(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ledger", metavar="LEDGER", help="path of the ledger file")
+
+
+def _paths(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="a ledger file, a directory (its ledgers), or the daemons' ledger template with "
+        "{device_uuid} (the ledgers it matches)",
+    )
 
 
 def _add_json(parser: argparse._ActionsContainer) -> None:
@@ -412,6 +527,7 @@ def _ep_size(parser: argparse.ArgumentParser) -> None:
 
 SHARED_OPTIONS: dict[str, OptionAdder] = {
     "ledger": _ledger,
+    "paths": _paths,
     "json": _json,
     "rows": _json_or_rows,
     "incarnation": _incarnation_latest,
@@ -422,8 +538,8 @@ SHARED_OPTIONS: dict[str, OptionAdder] = {
 }
 
 
-def _output(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("-o", "--output", required=True, metavar="FILE", help=what)
+def _output(parser: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
+    parser.add_argument("-o", "--output", required=required, metavar="FILE", help=what)
 
 
 # --- each verb's own options ----------------------------------------------------------------
@@ -491,6 +607,45 @@ def _prune_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _fleet_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="run verify on every ledger instead, one line each",
+    )
+
+
+def _metrics_options(parser: argparse.ArgumentParser) -> None:
+    _output(
+        parser,
+        "write the text exposition format to FILE atomically (node_exporter's textfile "
+        "collector reads FILE.prom); default: print it",
+        required=False,
+    )
+    parser.add_argument(
+        "--serve",
+        type=_address,
+        metavar="HOST:PORT",
+        help="serve /metrics over HTTP instead, re-reading the ledgers on every scrape",
+    )
+    parser.add_argument(
+        "--label",
+        action="append",
+        type=_label,
+        metavar="KEY=VALUE",
+        help="a label added to every series (repeatable), e.g. engine=ds-v3 to tell engines "
+        "apart in alerts",
+    )
+
+
+def _backup_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "destination",
+        metavar="DEST",
+        help="the copy to write (a new file), or a directory to write it into",
+    )
+
+
 # --- the parser ---------------------------------------------------------------------------
 
 COMMANDS: dict[str, tuple[str, Handler]] = {
@@ -512,26 +667,42 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
         "upgrade an older ledger's schema to this code's (refuses a newer one)",
         cmd_upgrade,
     ),
+    "fleet": (
+        "every ledger of an engine at once, and the verdict the engine's startup would reach",
+        cmd_fleet,
+    ),
+    "metrics": (
+        "the ledgers' state as Prometheus series (text file, stdout, or an HTTP exporter)",
+        cmd_metrics,
+    ),
+    "backup": (
+        "a consistent single-file copy of a ledger with SQLite's backup API, also while its "
+        "daemon writes",
+        cmd_backup,
+    ),
 }
 
-# Each verb: the shared options it takes (after LEDGER, in this order), then its own.
+# Each verb: the shared options it takes (in this order), then its own.
 VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
-    "status": (("json", "incarnation"), None),
-    "history": (("rows", "incarnations", "layers"), _history_options),
-    "show": (("json", "incarnation", "version", "layers", "ep_size"), None),
-    "diff": (("rows", "incarnation", "layers"), _diff_options),
-    "export": (("json", "incarnation", "version", "ep_size"), _export_options),
-    "verify": (("json",), None),
-    "plot": (("json", "incarnation", "version", "ep_size"), _plot_options),
-    "prune": (("json", "incarnations"), _prune_options),
-    "upgrade": (("json",), None),
+    "status": (("ledger", "json", "incarnation"), None),
+    "history": (("ledger", "rows", "incarnations", "layers"), _history_options),
+    "show": (("ledger", "json", "incarnation", "version", "layers", "ep_size"), None),
+    "diff": (("ledger", "rows", "incarnation", "layers"), _diff_options),
+    "export": (("ledger", "json", "incarnation", "version", "ep_size"), _export_options),
+    "verify": (("ledger", "json"), None),
+    "plot": (("ledger", "json", "incarnation", "version", "ep_size"), _plot_options),
+    "prune": (("ledger", "json", "incarnations"), _prune_options),
+    "upgrade": (("ledger", "json"), None),
+    "fleet": (("paths", "json"), _fleet_options),
+    "metrics": (("paths", "json"), _metrics_options),
+    "backup": (("ledger", "json"), _backup_options),
 }
 
 EPILOG = (
     "exit codes: 0 ok; 1 the command could not do what was asked; 2 bad arguments or no usable "
-    "ledger file; 3 (status) dirty; 4 (status) move pending or refusals seen; 5 verify or "
-    "export --check found an inconsistency, or prune refused a ledger that fails verify; 130 "
-    "interrupted"
+    "ledger file; 3 (status, fleet) dirty; 4 (status) move pending or refusals seen, (fleet) a "
+    "move pending; 5 verify or export --check found an inconsistency, prune refused a ledger "
+    "that fails verify, or (fleet) the ledgers disagree; 130 interrupted"
 )
 
 
@@ -564,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
         shared, own = VERB_OPTIONS[name]
         command = sub.add_parser(
             name,
-            parents=[parents["ledger"], *(parents[option] for option in shared)],
+            parents=[parents[option] for option in shared],
             help=summary,
             description=summary[0].upper() + summary[1:] + ".",
             epilog=EPILOG,
@@ -580,6 +751,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.command == "export" and args.check and not args.model_path:
         parser.error("export --check needs --model-path DIR (the model's config.json)")
+    if args.command == "metrics" and args.serve is not None and (args.output or args.json):
+        parser.error("metrics --serve prints no -o file and no --json")
     return args
 
 
@@ -613,10 +786,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SQLAlchemyError, json.JSONDecodeError) as exc:
         # Rows the reader cannot interpret (a missing version, a row that is not JSON): the
         # file is damaged; verify names what exactly.
+        where = getattr(args, "ledger", None) or " ".join(getattr(args, "paths", ()))
         _error(
             args.command,
-            f"the ledger {args.ledger} looks damaged ({type(exc).__name__}: {exc}); run "
-            f"`{PROG} verify {args.ledger}`",
+            f"the ledger {where} looks damaged ({type(exc).__name__}: {exc}); run "
+            f"`{PROG} verify {where}`",
         )
         return exit_codes.UNUSABLE
     except KeyboardInterrupt:

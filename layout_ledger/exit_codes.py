@@ -1,7 +1,8 @@
 """The exit codes of ``layout-ledger``, defined once (docs/cli.md lists them).
 
-Scripts branch on these, so a code never changes meaning. ``status`` is the one command that
-uses 3 and 4; ``verify`` and ``export --check`` use 5 when the ledger is readable but wrong.
+Scripts branch on these, so a code never changes meaning. ``status`` and ``fleet`` use 3 and 4
+(``fleet`` over many ledgers: a dirty daemon, a pending move); ``verify`` and ``export --check``
+use 5 when the ledger is readable but wrong, ``fleet`` when the ledgers disagree.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ FAILED = 1
 # Bad arguments, or a file that is no usable ledger: missing, unreadable, not SQLite, not a
 # ledger, a schema newer than this code (or older, for read commands: run `upgrade`), I/O errors.
 UNUSABLE = 2
-# status: the layout is unknown (an engine left mid-move); restart the daemon.
+# status, fleet: the layout is unknown (an engine left mid-move); restart the daemon.
 DIRTY = 3
-# status: a move is pending, or the daemon refused requests in this incarnation.
+# status: a move is pending, or the daemon refused requests in this incarnation; fleet: a move
+# is pending.
 PENDING_OR_REFUSALS = 4
 # verify found an inconsistency; export --check found sglang's metadata differs from the ledger;
-# prune refused a ledger that fails verify (it never deletes evidence).
+# prune refused a ledger that fails verify (it never deletes evidence); fleet: the ledgers of
+# one engine disagree.
 INCONSISTENT = 5
 # Interrupted with Ctrl-C.
 INTERRUPTED = 130

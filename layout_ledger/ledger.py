@@ -32,6 +32,8 @@ from layout_ledger.event_log import EventLog
 from layout_ledger.layout import Geometry, Map, validate_map
 from layout_ledger.maintenance import CheckpointResult, Maintenance
 from layout_ledger.migrate import upgrade_to_head
+from layout_ledger.origin import COLUMNS as ORIGIN_COLUMNS
+from layout_ledger.origin import IncarnationOrigin
 from layout_ledger.record import END_FOUND_UNENDED, LayoutRecord
 from layout_ledger.state import utc_now
 from layout_ledger.storage import open_writer
@@ -163,8 +165,10 @@ class Ledger:
         *,
         config_fingerprint: str = "",
         daemon_label: str = "",
+        origin: IncarnationOrigin | None = None,
     ) -> LayoutRecord:
-        """Record a daemon start at version 0 and return its record."""
+        """Record a daemon start at version 0 and return its record; ``origin`` says where the
+        daemon runs (nothing recorded when None)."""
         if self.record is not None:
             raise LedgerError(
                 f"incarnation {self.record.incarnation_id} is still live in this process; "
@@ -181,6 +185,7 @@ class Ledger:
                 initial_map=initial_map,
                 config_fingerprint=config_fingerprint,
                 daemon_label=daemon_label,
+                origin=origin or IncarnationOrigin(),
             )
             record = LayoutRecord(
                 self.journal(incarnation_id), incarnation_id, geometry, initial_map
@@ -404,8 +409,8 @@ _INSERT_VERSION = (
 _INSERT_ROW = "INSERT INTO layout_rows (incarnation_id, layer, version, slots) VALUES (?, ?, ?, ?)"
 _INSERT_INCARNATION = (
     "INSERT INTO incarnations (started_at, config_fingerprint, daemon_label, num_layers, "
-    "num_physical_slots, num_logical_experts, initial_map, initial_digest) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    "num_physical_slots, num_logical_experts, initial_map, initial_digest, "
+    f"{', '.join(ORIGIN_COLUMNS)}) VALUES ({', '.join('?' * (8 + len(ORIGIN_COLUMNS)))})"
 )
 
 
@@ -417,6 +422,7 @@ def _insert_incarnation(
     initial_map: Map,
     config_fingerprint: str,
     daemon_label: str,
+    origin: IncarnationOrigin,
 ) -> int:
     from layout_ledger.layout import layout_digest
 
@@ -431,6 +437,7 @@ def _insert_incarnation(
             geometry.num_logical_experts,
             json.dumps(initial_map, separators=(",", ":")),
             layout_digest(initial_map),
+            *origin.to_row(),
         ),
     )
     if cursor.lastrowid is None:

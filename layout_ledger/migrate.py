@@ -61,7 +61,7 @@ def file_revision(conn: Connection) -> str | None:
     return str(rows[0])
 
 
-def _refuse_newer(revision: str, path: Path) -> None:
+def refuse_newer(revision: str, path: Path) -> None:
     if revision not in KNOWN_REVISIONS:
         raise SchemaTooNew(
             f"ledger {path} has schema revision {revision!r}, newer than this code knows "
@@ -74,7 +74,7 @@ def check_readable(conn: Connection, path: Path) -> None:
     revision = file_revision(conn)
     if revision is None:
         raise LedgerFileError(f"{path} is an empty SQLite file, not an expert layout ledger")
-    _refuse_newer(revision, path)
+    refuse_newer(revision, path)
     if revision != SCHEMA_HEAD:
         raise SchemaOutdated(
             f"ledger {path} has the older schema revision {revision!r}; run "
@@ -86,7 +86,7 @@ def upgrade_to_head(conn: Connection, path: Path) -> str | None:
     """Bring a writer's file to ``SCHEMA_HEAD``; returns the revision it started from."""
     revision = file_revision(conn)
     if revision is not None:
-        _refuse_newer(revision, path)
+        refuse_newer(revision, path)
         if revision == SCHEMA_HEAD:
             return revision
         logger.info("upgrading ledger %s from schema %s to %s", path, revision, SCHEMA_HEAD)

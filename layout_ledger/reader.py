@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,8 @@ from sqlalchemy.exc import DBAPIError
 from layout_ledger import events as ev
 from layout_ledger.errors import DamagedRow, LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.layout import Geometry, Map
+from layout_ledger.origin import COLUMNS as ORIGIN_COLUMNS
+from layout_ledger.origin import IncarnationOrigin
 from layout_ledger.record import LayoutRecord
 from layout_ledger.state import LayoutState
 
@@ -35,6 +37,7 @@ class Incarnation:
     initial_digest: str
     config_fingerprint: str
     daemon_label: str
+    origin: IncarnationOrigin = field(default_factory=IncarnationOrigin)
 
 
 def _incarnation_from_row(row: Any) -> Incarnation:
@@ -47,6 +50,7 @@ def _incarnation_from_row(row: Any) -> Incarnation:
         initial_digest=row.initial_digest,
         config_fingerprint=row.config_fingerprint,
         daemon_label=row.daemon_label,
+        origin=IncarnationOrigin.from_row(row._mapping),
     )
 
 
@@ -80,7 +84,8 @@ def incarnation_rows(conn: Connection) -> list[Incarnation | DamagedRow]:
 
 _INCARNATION_COLUMNS = (
     "incarnation_id, started_at, ended_at, end_state, num_layers, num_physical_slots, "
-    "num_logical_experts, initial_digest, config_fingerprint, daemon_label"
+    "num_logical_experts, initial_digest, config_fingerprint, daemon_label, "
+    + ", ".join(ORIGIN_COLUMNS)
 )
 
 

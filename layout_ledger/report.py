@@ -32,6 +32,8 @@ from layout_ledger.errors import LedgerError, LedgerStorageError
 from layout_ledger.json_shape import JsonObject, JsonShaped, json_field
 from layout_ledger.layer_ranges import LayerRanges
 from layout_ledger.layout import Geometry, Map, layout_digest
+from layout_ledger.liveness import Liveness, daemon_liveness
+from layout_ledger.origin import IncarnationOrigin
 from layout_ledger.protocol import PendingMove
 from layout_ledger.reader import Incarnation, LedgerReader
 from layout_ledger.sql import in_list
@@ -192,8 +194,14 @@ def _incarnation_json(inc: Incarnation) -> JsonObject:
         "ended_at": inc.ended_at,
         "end_state": inc.end_state,
         "daemon_label": inc.daemon_label,
+        "config_fingerprint": inc.config_fingerprint,
+        **inc.origin.to_json(),
         **_geometry_json(inc.geometry),
     }
+
+
+def _liveness_json(liveness: Liveness) -> JsonObject:
+    return {"alive": liveness.alive}
 
 
 def _dirty_json(dirty: DirtyMark | None) -> JsonObject:
@@ -224,6 +232,7 @@ class StatusReport(JsonShaped):
     path: str
     incarnation_count: int = field(metadata=json_field(key="incarnations"))
     incarnation: Incarnation = field(metadata=json_field(convert=_incarnation_json, spread=True))
+    liveness: Liveness = field(metadata=json_field(convert=_liveness_json, spread=True))
     version: int
     digest: str
     reconstructible_from: int
@@ -276,10 +285,12 @@ def collect_status(ledger: LedgerReader, incarnation_id: int | None = None) -> S
             ),
             {"i": i},
         ).first()
+        latest = conn.execute(text("SELECT max(incarnation_id) FROM incarnations")).scalar()
         return StatusReport(
             path=str(ledger.path),
             incarnation_count=int(count or 0),
             incarnation=inc,
+            liveness=daemon_liveness(ledger.path, inc, latest=latest == i),
             version=version,
             digest=digest,
             reconstructible_from=reader.reconstructible_from(conn, i),
@@ -303,11 +314,55 @@ def _pending_text(pending: PendingMove) -> str:
     )
 
 
+def origin_rows(origin: IncarnationOrigin, config_fingerprint: str) -> list[tuple[str, str]]:
+    """Where an incarnation ran, as ``status`` shows it: one row per question, the parts it
+    knows (``not recorded`` for a daemon that recorded none, such as one older than 0004)."""
+    process = " ".join(
+        part
+        for part in (
+            None if origin.pid is None else f"pid {origin.pid}",
+            None if origin.host is None else f"on host {origin.host}",
+        )
+        if part is not None
+    )
+    if origin.socket_path is not None:
+        socket_text = f"socket {origin.socket_path}"
+        process = f"{process}, {socket_text}" if process else socket_text
+    device = [
+        part
+        for part in (
+            None if origin.gpu_id is None else f"GPU {origin.gpu_id}",
+            origin.device_uuid,
+            None if origin.tp_rank is None else f"TP rank {origin.tp_rank}",
+            None if origin.pp_rank is None else f"PP rank {origin.pp_rank}",
+            None if origin.ep_rank is None else f"EP rank {origin.ep_rank}",
+        )
+        if part is not None
+    ]
+    software = [
+        part
+        for part in (
+            None if origin.sglang_version is None else f"sglang {origin.sglang_version}",
+            None if origin.plugin_version is None else f"plugin {origin.plugin_version}",
+        )
+        if part is not None
+    ]
+    return [
+        ("daemon", process or _NOT_RECORDED),
+        ("device", ", ".join(device) if device else _NOT_RECORDED),
+        ("software", ", ".join(software) if software else _NOT_RECORDED),
+        ("config fingerprint", config_fingerprint or _NOT_RECORDED),
+    ]
+
+
+_NOT_RECORDED = "not recorded"
+
+
 def render_status(report: StatusReport) -> list[str]:
     inc = report.incarnation
     geometry = inc.geometry
     if inc.ended_at is None:
-        life = f"started {inc.started_at}, running"
+        life = f"started {inc.started_at}, {report.liveness.detail}"
     else:
         life = f"started {inc.started_at}, ended {inc.ended_at} ({inc.end_state})"
     if report.dirty is not None:
@@ -324,6 +379,7 @@ def render_status(report: StatusReport) -> list[str]:
     rows = [
         ("ledger", report.path),
         ("incarnation", f"{inc.incarnation_id} of {report.incarnation_count} ({life})"),
+        *origin_rows(inc.origin, inc.config_fingerprint),
         (
             "geometry",
             f"{geometry.num_layers} layers x {geometry.num_physical_slots} physical slots, "
@@ -720,17 +776,23 @@ def _sync_directory(output: Path) -> None:
 
 
 def write_atomically(
-    output: Path, data: bytes, accept: Callable[[Path], bool] | None = None
+    output: Path,
+    data: bytes,
+    accept: Callable[[Path], bool] | None = None,
+    *,
+    temporary_suffix: str | None = None,
 ) -> bool:
-    """Write ``data`` to ``output`` through a temporary file in its directory (same suffix),
-    synced to disk, then a rename, then a sync of the directory. ``accept`` sees the complete
-    temporary file first: when it returns False or raises, the temporary file is removed and
-    ``output`` stays as it was. Returns whether ``output`` was written."""
+    """Write ``data`` to ``output`` through a temporary file in its directory (same suffix, or
+    ``temporary_suffix``), synced to disk, then a rename, then a sync of the directory.
+    ``accept`` sees the complete temporary file first: when it returns False or raises, the
+    temporary file is removed and ``output`` stays as it was. Returns whether ``output`` was
+    written."""
     directory = output.parent
     if not directory.is_dir():
         raise LedgerError(f"cannot write {output}: the directory {directory} does not exist")
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=output.suffix, dir=directory)
+        suffix = output.suffix if temporary_suffix is None else temporary_suffix
+        fd, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=suffix, dir=directory)
     except OSError as exc:
         raise LedgerError(f"cannot write {output}: {exc.strerror}") from exc
     temporary = Path(name)

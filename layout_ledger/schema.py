@@ -28,8 +28,13 @@ from sqlalchemy import (
 # Mixed versions: a writer upgrades an older file to this revision when it opens it; a file at
 # a revision not in KNOWN_REVISIONS was written by newer code and is refused by every opener,
 # read-only ones included, because its tables may no longer mean what this code assumes.
-SCHEMA_HEAD = "0003_event_counts_and_chain"
-KNOWN_REVISIONS = ("0001_initial", "0002_forensic_views", "0003_event_counts_and_chain")
+SCHEMA_HEAD = "0004_incarnation_origin"
+KNOWN_REVISIONS = (
+    "0001_initial",
+    "0002_forensic_views",
+    "0003_event_counts_and_chain",
+    "0004_incarnation_origin",
+)
 
 metadata = MetaData()
 
@@ -47,6 +52,17 @@ incarnations = Table(
     Column("num_logical_experts", Integer, nullable=False),
     Column("initial_map", Text, nullable=False),
     Column("initial_digest", Text, nullable=False),
+    # Where the incarnation ran (layout_ledger.origin); NULL where unknown or older (0004).
+    Column("host", Text),
+    Column("device_uuid", Text),
+    Column("gpu_id", Integer),
+    Column("tp_rank", Integer),
+    Column("pp_rank", Integer),
+    Column("ep_rank", Integer),
+    Column("pid", Integer),
+    Column("socket_path", Text),
+    Column("sglang_version", Text),
+    Column("plugin_version", Text),
     CheckConstraint(
         "end_state IS NULL OR end_state IN ('clean', 'dirty', 'unknown')",
         name="ck_incarnations_end_state",

@@ -119,6 +119,16 @@ def _read_note(path: Path) -> str:
         return "unknown"
 
 
+def lock_holder_pid(ledger_path: str | os.PathLike[str]) -> int | None:
+    """The pid the writer lock's holder wrote into ``<ledger>.lock``; None when unknown."""
+    note = _read_note(lock_path_for(Path(ledger_path)))
+    for part in note.split():
+        key, _, value = part.partition("=")
+        if key == "pid" and value.isdigit():
+            return int(value)
+    return None
+
+
 def _write_note(path: Path, text: str) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     try:

@@ -73,6 +73,7 @@ from layout_ledger import protocol
 from layout_ledger.errors import LedgerError
 from layout_ledger.layout import Geometry, Map
 from layout_ledger.ledger import Ledger, Retention
+from layout_ledger.origin import IncarnationOrigin
 from layout_ledger.record import LayoutRecord
 from layout_ledger.service import LayoutService
 from sglang_integration import ledger_paths
@@ -160,8 +161,10 @@ def open_ledger_record(
     retention: Retention,
     config_fingerprint: str,
     daemon_label: str,
+    origin: IncarnationOrigin | None = None,
 ) -> tuple[Ledger, LayoutRecord]:
-    """Open the ledger (one writer) and start a new incarnation at version 0."""
+    """Open the ledger (one writer) and start a new incarnation at version 0, recording where
+    it runs (``origin``)."""
     ledger = Ledger.open(path, retention)
     try:
         record = ledger.start_incarnation(
@@ -169,6 +172,7 @@ def open_ledger_record(
             initial_map,
             config_fingerprint=config_fingerprint,
             daemon_label=daemon_label,
+            origin=origin,
         )
     except BaseException:
         ledger.close()
@@ -267,7 +271,8 @@ def _open_record_after_load(daemon: Any) -> tuple[Ledger | None, LayoutRecord | 
         num_physical_slots=int(metadata.num_physical_experts),
         num_logical_experts=int(metadata.num_logical_experts),
     )
-    path = ledger_paths.prepare_ledger_path(current_platform.get_device_uuid(daemon.gpu_id))
+    device_uuid = current_platform.get_device_uuid(daemon.gpu_id)
+    path = ledger_paths.prepare_ledger_path(device_uuid)
     ledger, record = open_ledger_record(
         path,
         geometry,
@@ -278,8 +283,29 @@ def _open_record_after_load(daemon: Any) -> tuple[Ledger | None, LayoutRecord | 
             f"pid={os.getpid()} gpu={daemon.gpu_id} tp_rank={daemon.tp_rank} "
             f"pp_rank={daemon.pp_rank} socket={daemon.socket_path}"
         ),
+        origin=daemon_origin(daemon, device_uuid),
     )
     return ledger, record
+
+
+def daemon_origin(daemon: Any, device_uuid: str | None) -> IncarnationOrigin:
+    """Where this daemon runs: host, pid and versions, and what ``WeightCacheDaemon.__init__``
+    and ``load`` set (``gpu_id``, ``tp_rank``, ``pp_rank``, ``socket_path``; the EP rank is its
+    ``CacheConfig.moe_ep_rank``)."""
+    config = getattr(daemon, "config", None)
+    ep_rank = getattr(config, "moe_ep_rank", None)
+    return IncarnationOrigin.of_this_process(
+        device_uuid=device_uuid,
+        gpu_id=_int_or_none(getattr(daemon, "gpu_id", None)),
+        tp_rank=_int_or_none(getattr(daemon, "tp_rank", None)),
+        pp_rank=_int_or_none(getattr(daemon, "pp_rank", None)),
+        ep_rank=_int_or_none(ep_rank),
+        socket_path=getattr(daemon, "socket_path", None),
+    )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 # --- WeightCacheDaemon.serve ----------------------------------------------------------------------

@@ -56,9 +56,10 @@ from layout_ledger.agreement import (
     KeepInitialLayout,
     RankFinding,
     decide,
+    finding_from_layout,
 )
 from layout_ledger.layout import layout_digest
-from layout_ledger.protocol import LayoutView, Outcome, Reply
+from layout_ledger.protocol import LayoutView, Outcome
 from sglang_integration import client
 
 logger = logging.getLogger(__name__)
@@ -201,45 +202,27 @@ def read_daemon(
     Returns the finding and the attachment (its connection still open when the daemon accepted
     it). A RECORD finding's map hashes to its digest (checked here).
     """
+    where = {"rank": rank, "socket_path": socket_path, "initial_digest": initial_digest}
     attachment: client.Attachment | None = None
     try:
         timeout = configured_wait_timeout() if wait_timeout is None else wait_timeout
         attachment = client.attach(socket_path, engine_id)
-        kind, fields = _what_the_daemon_holds(socket_path, attachment.reply, timeout, poll_interval)
+        reply = attachment.reply
+        kind = _KIND_OF_ATTACH_OUTCOME.get(reply.outcome)
+        if kind is not None:
+            return RankFinding(kind=kind, reason=reply.reason, **where), attachment
+        if reply.outcome is not Outcome.OK or reply.layout is None:
+            reason = f"attach {reply.outcome.value}: {reply.reason}"
+            return RankFinding(kind=FindingKind.UNREADABLE, reason=reason, **where), attachment
+        layout = _wait_for_pending_move(socket_path, reply.layout, timeout, poll_interval)
     except Exception as exc:  # every rank must reach the all-gather
         logger.exception("Reading the expert layout of the daemon at %s failed", socket_path)
-        kind, fields = FindingKind.UNREADABLE, {"reason": f"{type(exc).__name__}: {exc}"}
-    finding = RankFinding(
-        rank=rank, kind=kind, socket_path=socket_path, initial_digest=initial_digest, **fields
-    )
-    return finding, attachment
-
-
-def _what_the_daemon_holds(
-    socket_path: str, reply: Reply, timeout: float, poll_interval: float
-) -> tuple[FindingKind, dict[str, Any]]:
-    """The finding's kind and fields from the attach reply (after waiting out a pending move)."""
-    kind = _KIND_OF_ATTACH_OUTCOME.get(reply.outcome)
-    if kind is not None:
-        return kind, {"reason": reply.reason}
-    if reply.outcome is not Outcome.OK or reply.layout is None:
-        return FindingKind.UNREADABLE, {"reason": f"attach {reply.outcome.value}: {reply.reason}"}
-    layout = _wait_for_pending_move(socket_path, reply.layout, timeout, poll_interval)
+        reason = f"{type(exc).__name__}: {exc}"
+        return RankFinding(kind=FindingKind.UNREADABLE, reason=reason, **where), attachment
     if isinstance(layout, _WaitFailure):
-        return layout.kind, {"reason": layout.reason}
-    if layout.dirty:
-        return FindingKind.DIRTY, {"reason": layout.dirty_reason or "marked dirty"}
-    actual = layout_digest(layout.physical_to_logical_map)
-    if actual != layout.digest:
-        return FindingKind.UNREADABLE, {
-            "reason": f"the daemon's map hashes to {actual[:12]}, not to the digest "
-            f"{layout.digest[:12]} it reports"
-        }
-    return FindingKind.RECORD, {
-        "version": layout.version,
-        "digest": layout.digest,
-        "physical_to_logical_map": layout.physical_to_logical_map,
-    }
+        return RankFinding(kind=layout.kind, reason=layout.reason, **where), attachment
+    still_pending = f" after {timeout:g} s ({WAIT_TIMEOUT_ENV})"
+    return finding_from_layout(layout, still_pending=still_pending, **where), attachment
 
 
 _KIND_OF_ATTACH_OUTCOME = {
@@ -258,7 +241,8 @@ class _WaitFailure:
 def _wait_for_pending_move(
     socket_path: str, layout: LayoutView, timeout: float, poll_interval: float
 ) -> LayoutView | _WaitFailure:
-    """The daemon's layout once no move is pending (or it is dirty), else a failure."""
+    """The daemon's layout once no move is pending (or it is dirty, or the wait timed out:
+    then still pending), else a failure to read it."""
     if layout.pending is None or layout.dirty:
         return layout
     pending = layout.pending
@@ -276,12 +260,7 @@ def _wait_for_pending_move(
     while layout.pending is not None and not layout.dirty:
         pending = layout.pending
         if time.monotonic() >= deadline:
-            return _WaitFailure(
-                FindingKind.STUCK,
-                f"engine {pending.engine_id!r} began a move of layers {list(pending.layers)} "
-                f"from version {pending.base_version}, and it was still pending after "
-                f"{timeout:g} s ({WAIT_TIMEOUT_ENV})",
-            )
+            return layout
         time.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
         reply = client.query(socket_path)
         if reply.outcome is not Outcome.OK or reply.layout is None:

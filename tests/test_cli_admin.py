@@ -156,9 +156,14 @@ def test_upgrade_brings_an_older_ledger_to_head_keeping_its_history(older_ledger
     after = dump(older_ledger)
     assert after.pop("alembic_version") == [(SCHEMA_HEAD,)]
     before.pop("alembic_version")
-    # Later revisions add columns to events (count, last_at, chain): every row keeps its own.
+    # Later revisions add columns to events (count, last_at, chain) and incarnations (where it
+    # ran, 0004: empty for the rows an older ledger holds): every row keeps its own.
     width = len(before["events"][0])
     assert [row[:width] for row in after.pop("events")] == before.pop("events")
+    width = len(before["incarnations"][0])
+    incarnations = after.pop("incarnations")
+    assert [row[:width] for row in incarnations] == before.pop("incarnations")
+    assert all(value is None for row in incarnations for value in row[width:])
     assert after == before
     assert run_cli(capsys, "status", str(older_ledger))[0] == exit_codes.DIRTY
     assert run_cli(capsys, "verify", str(older_ledger))[0] == exit_codes.OK

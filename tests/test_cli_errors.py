@@ -33,6 +33,9 @@ ARGUMENTS = {
     "plot": ["-o", "{tmp}/out.png"],
     "prune": ["--keep", "1"],
     "upgrade": [],
+    "fleet": [],
+    "metrics": [],
+    "backup": ["{tmp}/copy.sqlite"],
 }
 
 
@@ -100,6 +103,7 @@ def test_an_unusable_file_gives_one_line_and_exit_2_and_stays_as_it_was(
     assert err.count("\n") == 1 and "Traceback" not in err
     assert expected in err
     assert not (tmp_path / "out.json").exists() and not (tmp_path / "out.png").exists()
+    assert not (tmp_path / "copy.sqlite").exists()
     assert (path.read_bytes() if path.is_file() else None) == before
     assert path.exists() == (case != "missing")
 
@@ -154,6 +158,15 @@ BAD_ARGUMENTS = [
     (["export", "L", "-o", "x.json", "--check"], "export --check needs --model-path DIR"),
     (["plot", "L", "-o", "x.png", "--size", "big"], "argument --size: expected WIDTHxHEIGHT"),
     (["status", "L", "--bogus"], "unrecognized arguments: --bogus"),
+    (["fleet"], "the following arguments are required: PATH"),
+    (["metrics", "L", "--serve", "9400"], "argument --serve: expected HOST:PORT"),
+    (["metrics", "L", "--serve", "h:99999"], "argument --serve: expected a port 0..65535"),
+    (["metrics", "L", "--label", "engine"], "argument --label: expected KEY=VALUE"),
+    (
+        ["metrics", "L", "--serve", ":0", "--json"],
+        "metrics --serve prints no -o file and no --json",
+    ),
+    (["backup", "L"], "the following arguments are required: DEST"),
 ]
 
 

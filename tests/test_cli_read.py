@@ -40,7 +40,11 @@ def test_status_of_a_clean_ledger_shows_every_field_and_exits_0(ledgers, capsys)
     assert (code, err) == (exit_codes.OK, "")
     assert out == (
         f"ledger:              {path}\n"
-        f"incarnation:         2 of 2 (started {at(4)}, running)\n"
+        f"incarnation:         2 of 2 (started {at(4)}, not running, no clean end recorded)\n"
+        "daemon:              not recorded\n"
+        "device:              not recorded\n"
+        "software:            not recorded\n"
+        "config fingerprint:  fp\n"
         "geometry:            4 layers x 6 physical slots, 4 logical experts\n"
         "version:             3\n"
         f"digest:              {layout_digest(map_after(MOVES, 3))}\n"
@@ -63,7 +67,11 @@ def test_status_of_a_dirty_ledger_names_engine_layers_and_base_version_and_exits
     moved[1] = [3, 2, 1, 0, 0, 1]
     assert out == (
         f"ledger:              {path}\n"
-        f"incarnation:         1 of 1 (started {at(0)}, running)\n"
+        f"incarnation:         1 of 1 (started {at(0)}, not running, no clean end recorded)\n"
+        "daemon:              not recorded\n"
+        "device:              not recorded\n"
+        "software:            not recorded\n"
+        "config fingerprint:  fp\n"
         "geometry:            4 layers x 6 physical slots, 4 logical experts\n"
         "version:             1\n"
         f"digest:              {layout_digest(moved)}\n"
@@ -89,7 +97,11 @@ def test_status_of_a_ledger_mid_move_shows_the_pending_move_and_exits_4(ledgers,
     moved[0] = [1, 0, 2, 3, 0, 1]
     assert out == (
         f"ledger:              {path}\n"
-        f"incarnation:         1 of 1 (started {at(0)}, running)\n"
+        f"incarnation:         1 of 1 (started {at(0)}, not running, no clean end recorded)\n"
+        "daemon:              not recorded\n"
+        "device:              not recorded\n"
+        "software:            not recorded\n"
+        "config fingerprint:  fp\n"
         "geometry:            4 layers x 6 physical slots, 4 logical experts\n"
         "version:             1\n"
         f"digest:              {layout_digest(moved)}\n"

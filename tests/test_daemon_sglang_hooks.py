@@ -155,7 +155,7 @@ def _load_and_spawn_check(directory: str) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from layout_ledger.layout import Geometry
-    from layout_ledger.reader import LedgerReader
+    from layout_ledger.reader import LedgerReader, incarnation
     from sglang_integration import daemon_hooks
     from sglang_integration.testing.daemon import build_model_less_daemon, model_less_cache_config
 
@@ -188,6 +188,8 @@ def _load_and_spawn_check(directory: str) -> None:
     daemon_hooks.close_daemon_layout(daemon)
     with LedgerReader(root / ledger_files[0]) as reader:
         state = reader.state()
+        with reader.connect() as conn:
+            origin = incarnation(conn).origin.to_json()
     spawned.join(120)
     (root / "result.json").write_text(
         json.dumps(
@@ -204,15 +206,22 @@ def _load_and_spawn_check(directory: str) -> None:
                     state.geometry.num_logical_experts,
                 ],
                 "spawned_exitcode": spawned.exitcode,
+                "origin": origin,
+                "pid": os.getpid(),
             }
         )
     )
 
 
+@pytest.fixture(scope="module")
+def load_and_spawn(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_isolated(_load_and_spawn_check, tmp_path_factory.mktemp("load"))
+
+
 def test_the_load_hook_records_sglangs_initial_layout_and_spawned_daemons_run_the_hooks(
-    tmp_path: Path,
+    load_and_spawn: dict[str, Any],
 ) -> None:
-    result = run_isolated(_load_and_spawn_check, tmp_path)
+    result = load_and_spawn
     # The record is sglang's own initial layout (here from --init-expert-location), version 0.
     assert result["sglang_map"] == INITIAL
     assert (result["record_version"], result["record_map"]) == (0, INITIAL)
@@ -228,6 +237,26 @@ def test_the_load_hook_records_sglangs_initial_layout_and_spawned_daemons_run_th
     assert "in run_hooked_weight_cache_daemon" in log
     assert "in around_load" in log
     assert "requires a CUDA-alike" in log
+
+
+def test_the_load_hook_records_where_the_daemon_runs(load_and_spawn: dict[str, Any]) -> None:
+    import socket
+
+    origin = load_and_spawn["origin"]
+    socket_path = origin.pop("socket_path")
+    assert socket_path.endswith("d.sock")
+    assert origin == {
+        "host": socket.gethostname(),
+        "device_uuid": os.uname().machine,  # CpuSRTPlatform's device UUID
+        "gpu_id": 0,
+        "tp_rank": 0,
+        "pp_rank": 0,
+        "ep_rank": 0,  # the daemon's CacheConfig.moe_ep_rank
+        "pid": load_and_spawn["pid"],
+        "sglang_version": "0.5.23",
+        "plugin_version": origin["plugin_version"],
+    }
+    assert origin["plugin_version"]
 
 
 def _no_eplb_check(directory: str) -> None:

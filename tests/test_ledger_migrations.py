@@ -196,3 +196,24 @@ def test_an_install_ships_the_migrations_inside_the_ledger_package_not_as_a_top_
         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
     )
     LedgerReader(tmp_path / "l.sqlite").close()  # opens only a ledger at the head revision
+
+
+def _schema_sql(path: Path) -> list[tuple[str, str, str]]:
+    with sqlite3.connect(path) as conn:
+        return conn.execute(
+            "SELECT type, name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' "
+            "ORDER BY type, name"
+        ).fetchall()
+
+
+@pytest.mark.parametrize("revision", KNOWN_REVISIONS[:-1])
+def test_downgrading_from_head_to_a_revision_restores_that_revisions_schema_exactly(
+    tmp_path, revision
+):
+    path = tmp_path / "l.sqlite"
+    _migrate(path, command.upgrade, revision)
+    before = _schema_sql(path)
+    _migrate(path, command.upgrade, "head")
+    assert _schema_sql(path) != before
+    _migrate(path, command.downgrade, revision)
+    assert _schema_sql(path) == before

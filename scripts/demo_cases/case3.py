@@ -1,5 +1,6 @@
 """Case 3: engine A is SIGKILLed between two chunks (B adopts the committed version) and, on
-fresh daemons, inside a move after begin (B refuses to start with the dirty reason)."""
+fresh daemons, inside a move after begin (B refuses to start with the dirty reason). Last,
+``layout-ledger fleet`` over the two daemons' ledgers reaches B's verdict without an engine."""
 
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any]]:
     committed = _kill_between_chunks(workspace, result)
     daemons, expert_dir, a_id = _kill_in_move(workspace, result)
     _engine_b_refuses(workspace, result, daemons, expert_dir, a_id)
+    fleet = _fleet(result, daemons)
     base = config.case3_rebalances_before_kill * config.chunks_per_rebalance
     result.notes.append(f"engine A of (b) is {a_id}")
     result.facts.update(committed=committed, engine_a=a_id, base=base, layers=_first_chunk(config))
+    result.facts["commands"] = [fleet]
     result.seconds = time.monotonic() - started
     return result, daemons
 
@@ -181,6 +184,29 @@ def _engine_b_refuses(
     )
     if reason:
         result.notes.append(f"B's startup error (rank 0): ExpertLayoutStartupError: {reason}")
+
+
+def _fleet(result: CaseResult, daemons: list[Any]) -> Any:
+    """``layout-ledger fleet`` over the dirty daemons' ledgers: the verdict B reached, from the
+    ledgers alone (exit 3: dirty)."""
+    from demo_cases.forensics import run_layout_ledger
+
+    fleet = run_layout_ledger(["fleet", *(daemon.ledger_path for daemon in daemons)])
+    verdict = next(
+        (
+            line.split(": ", 1)[1]
+            for line in fleet.output.splitlines()
+            if line.startswith("verdict")
+        ),
+        "?",
+    )
+    result.check(
+        "(b) layout-ledger fleet on both ledgers: verdict, exit",
+        "fail, 3",
+        f"{verdict}, {fleet.exit_code}",
+        verdict == "fail" and fleet.exit_code == 3,
+    )
+    return fleet
 
 
 def _layers(first: int, end: int) -> str:

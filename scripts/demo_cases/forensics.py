@@ -36,6 +36,22 @@ def layout_ledger_command() -> str:
     return found
 
 
+def run_layout_ledger(args: list[str]) -> CommandOutput:
+    """``layout-ledger ARGS`` through the console script: its command line, exit and output."""
+    completed = subprocess.run(
+        [layout_ledger_command(), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return CommandOutput(
+        " ".join(["layout-ledger", *args]),
+        completed.returncode,
+        (completed.stdout + completed.stderr).rstrip(),
+    )
+
+
 def readme_query(readme: Path, name: str) -> str:
     """The SQL of the README's forensic cookbook block that starts with ``-- forensic: NAME``."""
     text = readme.read_text()
@@ -63,23 +79,10 @@ def run_forensics(
     """``layout-ledger status/history/verify`` and the README's dirty query on one ledger."""
     result = CaseResult("Forensics: the ledger of case 3 (b)'s rank-0 daemon")
     started = time.monotonic()
-    program = layout_ledger_command()
-    outputs = []
-    for args in (["status"], ["history", "--last", str(history_last)], ["verify"]):
-        completed = subprocess.run(
-            [program, args[0], ledger, *args[1:]],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        outputs.append(
-            CommandOutput(
-                " ".join(["layout-ledger", args[0], ledger, *args[1:]]),
-                completed.returncode,
-                (completed.stdout + completed.stderr).rstrip(),
-            )
-        )
+    outputs = [
+        run_layout_ledger([args[0], ledger, *args[1:]])
+        for args in (["status"], ["history", "--last", str(history_last)], ["verify"])
+    ]
     status, history, verify = outputs
     result.check(
         "layout-ledger status: state, exit code",

@@ -106,6 +106,8 @@ class Workspace:
                 num_logical_experts=config.num_logical_experts,
                 num_physical_experts=config.num_physical_slots,
                 record=record,
+                # Which rank each daemon stands in for, recorded in its ledger (fleet's rows).
+                extra=["--tp-rank", str(rank), "--ep-rank", str(rank)] if ledger else [],
             )
             daemon = DaemonProcess(socket_path, ledger, str(directory / f"{name}.log"), argv)
             daemon.process = self.context.Process(

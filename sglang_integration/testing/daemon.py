@@ -34,6 +34,10 @@ benchmarks), ``--without-plugin`` runs sglang's daemon with no hook at all (for 
 sglang 0.5.23's own behaviour), ``--keep-versions`` / ``--prune-every`` set retention,
 ``--request-timeout`` the connection deadline (the launcher's ``--expert-layout-request-timeout``;
 without it, ``SGLANG_EXPERT_LAYOUT_REQUEST_TIMEOUT`` or 5 s, as in a real daemon).
+``--device-uuid``, ``--gpu-id``, ``--tp-rank``, ``--pp-rank`` and ``--ep-rank`` say which rank
+this daemon stands in for: the ledger records them as the incarnation's origin (with the host,
+pid, socket and versions, which it always records); without them they are recorded as unknown,
+since a model-less daemon has no GPU.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from typing import Any
 from layout_ledger.errors import LedgerError
 from layout_ledger.layout import Geometry, trivial_map
 from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Ledger, Retention
+from layout_ledger.origin import IncarnationOrigin
 from layout_ledger.record import LayoutRecord
 from layout_ledger.service import LayoutService
 from sglang_integration import ledger_paths
@@ -96,6 +101,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(default: SGLANG_EXPERT_LAYOUT_REQUEST_TIMEOUT, else 5)",
     )
     parser.add_argument("--log-level", default="INFO")
+    origin = parser.add_argument_group(
+        "origin", "which rank this daemon stands in for (recorded in the ledger; default unknown)"
+    )
+    origin.add_argument("--device-uuid", help="the device UUID to record")
+    for rank in ("gpu-id", "tp-rank", "pp-rank", "ep-rank"):
+        origin.add_argument(f"--{rank}", type=int, help=f"the {rank.replace('-', ' ')} to record")
     args = parser.parse_args(argv)
     needs_ledger = not (args.no_record or args.in_memory or args.without_plugin)
     if needs_ledger and not args.ledger:
@@ -202,6 +213,14 @@ def open_layout_service(
         retention=Retention(keep_versions=args.keep_versions, prune_every=args.prune_every),
         config_fingerprint=config_fingerprint(cache_config),
         daemon_label=f"model-less pid={os.getpid()} socket={args.socket}",
+        origin=IncarnationOrigin.of_this_process(
+            device_uuid=args.device_uuid,
+            gpu_id=args.gpu_id,
+            tp_rank=args.tp_rank,
+            pp_rank=args.pp_rank,
+            ep_rank=args.ep_rank,
+            socket_path=args.socket,
+        ),
     )
     return LayoutService(record), ledger
 
