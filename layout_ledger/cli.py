@@ -224,6 +224,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             version=args.version,
             layers=args.layers,
             ep_size=args.ep_size,
+            fingerprints=args.fingerprints,
         )
     _emit(args, collected.to_json(), report.render_show(collected))
     return exit_codes.OK
@@ -447,6 +448,15 @@ def _history_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--last", type=_positive, metavar="N", help="only the last N events")
 
 
+def _show_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fingerprints",
+        action="store_true",
+        help="also show the fingerprint the daemon recorded for each of its slots at that "
+        "version (which expert's bytes the slot held)",
+    )
+
+
 def _diff_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("from_version", type=_non_negative, metavar="V1", help="the version before")
     parser.add_argument("to_version", type=_non_negative, metavar="V2", help="the version after")
@@ -518,7 +528,7 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
 VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
     "status": (("json", "incarnation"), None),
     "history": (("rows", "incarnations", "layers"), _history_options),
-    "show": (("json", "incarnation", "version", "layers", "ep_size"), None),
+    "show": (("json", "incarnation", "version", "layers", "ep_size"), _show_options),
     "diff": (("rows", "incarnation", "layers"), _diff_options),
     "export": (("json", "incarnation", "version", "ep_size"), _export_options),
     "verify": (("json",), None),
