@@ -93,10 +93,16 @@ class LayoutRecord:
 
     @classmethod
     def in_memory(
-        cls, geometry: Geometry, physical_to_logical_map: Map, incarnation_id: int = 1
+        cls,
+        geometry: Geometry,
+        physical_to_logical_map: Map,
+        incarnation_id: int = 1,
+        content: LocalFingerprints | None = None,
     ) -> LayoutRecord:
         """A record that persists nothing (``MemoryJournal``)."""
-        return cls(MemoryJournal(), incarnation_id, geometry, physical_to_logical_map)
+        return cls(
+            MemoryJournal(), incarnation_id, geometry, physical_to_logical_map, content=content
+        )
 
     def __init__(
         self,
@@ -370,14 +376,15 @@ class LayoutRecord:
             problems = rules.loaded_content_problems(self.physical_to_logical_map(), self.content)
             if not problems:
                 return None
-            reason = (
-                "the weights this daemon loaded do not match its layout: "
-                + "; ".join(problems.values())
-                + "; restart the daemon (a loader that leaves replicas unfilled cannot serve)"
+            problem = "the weights this daemon loaded do not match its layout: " + "; ".join(
+                problems.values()
             )
             if enforce:
-                self.mark_content_dirty(sorted(problems), reason)
-            return reason
+                self.mark_content_dirty(
+                    sorted(problems),
+                    problem + "; restart the daemon (its loader left slots it should have filled)",
+                )
+            return problem
 
     def mark_content_dirty(self, layers: Sequence[int], reason: str) -> DirtyMark:
         """The slots' content is not what the record says: the layout is unknown (refused like

@@ -1,7 +1,8 @@
 """A model-less weight cache daemon for tests and demos on a CPU.
 
     python -m sglang_integration.testing.daemon --socket PATH --ledger PATH \\
-        --num-layers L --num-logical-experts E --num-physical-experts P [--no-record]
+        --num-layers L --num-logical-experts E --num-physical-experts P [--no-record] \\
+        [--experts DIR --expert-rank R] [--expert-layout-content-check enforce|warn|off]
 
 runs sglang 0.5.23's real ``WeightCacheDaemon.serve`` loop and ``_handle_connection`` with this
 plugin's hooks (``daemon_hooks``), serving no tensors. Its initial layout is sglang's trivial one
@@ -32,6 +33,14 @@ What is skipped, and why (``build_model_less_daemon``):
 Options beyond the contract: ``--in-memory`` keeps the record in memory (``MemoryJournal``, for
 benchmarks), ``--without-plugin`` runs sglang's daemon with no hook at all (for comparisons with
 sglang 0.5.23's own behaviour), ``--keep-versions`` / ``--prune-every`` set retention.
+
+Expert content: without ``--experts`` the daemon has no tensors and records no fingerprints (it
+answers the content check ``no_record``). With ``--experts DIR --expert-rank R`` it maps EP rank
+R's expert files (``expert_files``: the format the CPU harness writes, the stand-in for a real
+daemon's CUDA-IPC tensors) and does what a real daemon with a model does: fingerprints its local
+slots at start (version 0) and checks replicas, fingerprints the moved layers at each commit,
+and answers the content check and repairs from them, as ``--expert-layout-content-check`` (or
+``SGLANG_EXPERT_LAYOUT_CONTENT_CHECK``, default enforce) says.
 """
 
 from __future__ import annotations
@@ -49,6 +58,14 @@ from layout_ledger.layout import Geometry, trivial_map
 from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Ledger, Retention
 from layout_ledger.record import LayoutRecord
 from layout_ledger.service import LayoutService
+from sglang_integration.content_settings import (
+    CHOICES,
+    CONTENT_CHECK_ENV,
+    ContentCheck,
+    content_check,
+    parse_content_check,
+)
+from sglang_integration.testing.expert_files import ExpertFilesError
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +98,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--without-plugin",
         action="store_true",
         help="run sglang's daemon with no expert layout hook (sglang 0.5.23's own behaviour)",
+    )
+    parser.add_argument(
+        "--experts",
+        metavar="DIR",
+        help="serve EP rank --expert-rank's expert files in DIR (the format of "
+        "sglang_integration.testing.expert_files) and fingerprint them",
+    )
+    parser.add_argument("--expert-rank", type=int, default=0, metavar="R")
+    parser.add_argument(
+        "--expert-layout-content-check",
+        choices=CHOICES,
+        default=None,
+        help=f"enforce, warn or off (default: {CONTENT_CHECK_ENV}, else enforce)",
     )
     parser.add_argument("--keep-versions", type=int, default=DEFAULT_KEEP_VERSIONS)
     parser.add_argument("--prune-every", type=int, default=DEFAULT_PRUNE_EVERY)
@@ -168,16 +198,30 @@ def build_model_less_daemon(socket_path: str, cache_config: dict[str, Any]) -> A
 def open_layout_service(
     args: argparse.Namespace, geometry: Geometry, cache_config: dict[str, Any]
 ) -> tuple[LayoutService, Ledger | None]:
-    """The daemon's record as ``--no-record`` / ``--in-memory`` / ``--ledger`` ask."""
-    from sglang_integration.daemon_hooks import config_fingerprint, open_ledger_record
+    """The daemon's record as ``--no-record`` / ``--in-memory`` / ``--ledger`` ask, with the
+    expert files' content when ``--experts`` names them."""
+    from sglang_integration.daemon_hooks import (
+        check_loaded_content,
+        config_fingerprint,
+        loaded_fingerprints,
+        open_ledger_record,
+    )
+    from sglang_integration.testing.expert_files import expert_file_slots
 
     if args.no_record:
         return LayoutService(None), None
     initial_map = trivial_map(
         geometry.num_layers, geometry.num_physical_slots, geometry.num_logical_experts
     )
+    mode = content_mode(args)
+    slots = None
+    if args.experts and mode is not ContentCheck.OFF:
+        slots = expert_file_slots(args.experts, args.expert_rank, geometry)
+    content = loaded_fingerprints(slots, mode)
     if args.in_memory:
-        return LayoutService(LayoutRecord.in_memory(geometry, initial_map)), None
+        record = LayoutRecord.in_memory(geometry, initial_map, content=content)
+        check_loaded_content(record, mode)
+        return LayoutService(record, slots), None
     ledger, record = open_ledger_record(
         args.ledger,
         geometry,
@@ -185,8 +229,16 @@ def open_layout_service(
         retention=Retention(keep_versions=args.keep_versions, prune_every=args.prune_every),
         config_fingerprint=config_fingerprint(cache_config),
         daemon_label=f"model-less pid={os.getpid()} socket={args.socket}",
+        content=content,
     )
-    return LayoutService(record), ledger
+    check_loaded_content(record, mode)
+    return LayoutService(record, slots), ledger
+
+
+def content_mode(args: argparse.Namespace) -> ContentCheck:
+    if args.expert_layout_content_check is not None:
+        return parse_content_check(args.expert_layout_content_check)
+    return content_check()
 
 
 def remove_stale_socket(socket_path: str) -> None:
@@ -231,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             service, ledger = open_layout_service(args, geometry, cache_config)
         except LedgerError as exc:
             logger.error("cannot open the expert layout ledger: %s", exc)
+            return 2
+        except ExpertFilesError as exc:
+            logger.error("cannot serve the expert files: %s", exc)
             return 2
         set_daemon_layout(daemon, service, ledger)
     try:
