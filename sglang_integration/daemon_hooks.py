@@ -258,13 +258,13 @@ def _daemon_slots(daemon: Any, metadata: Any, mode: ContentCheck) -> ModelSlots 
     """The loaded model's local slots (this daemon's EP rank), unless the check is off."""
     if mode is ContentCheck.OFF:
         return None
+    if getattr(daemon.model, "routed_experts_weights_of_layer", None) is None:
+        logger.warning("the loaded model has no routed_experts_weights_of_layer: no fingerprints")
+        return None
     from sglang.srt.runtime_context import get_parallel
 
     local = int(metadata.num_local_physical_experts)
-    slots = model_slots(daemon.model, get_parallel().moe_ep_rank * local, local)
-    if slots is None:
-        logger.warning("the loaded model has no routed_experts_weights_of_layer: no fingerprints")
-    return slots
+    return model_slots(daemon.model, get_parallel().moe_ep_rank * local, local)
 
 
 def _open_record_after_load(

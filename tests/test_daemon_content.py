@@ -9,9 +9,11 @@ over its real socket.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -255,3 +257,82 @@ def test_the_expert_files_of_a_second_rank_start_at_its_first_slot(tmp_path):
         assert list(content.recorded[0]) == prints
     finally:
         handle.stop()
+
+
+# --- the real load hook, around sglang's EPLB initialisation, with a loaded model ---------------
+
+
+def _load_hook_check(directory: str) -> None:
+    import json
+    from types import SimpleNamespace
+
+    import torch
+    from test_daemon_sglang_hooks import (
+        INITIAL as HOOK_INITIAL,
+    )
+    from test_daemon_sglang_hooks import (
+        _cpu_part_of_load,
+        _server_args,
+        _use_sglangs_cpu_platform,
+    )
+
+    from harness.daemon_control import redirect_output
+    from layout_ledger.layout import Geometry
+    from sglang_integration import daemon_hooks
+    from sglang_integration.testing.daemon import build_model_less_daemon, model_less_cache_config
+
+    root = Path(directory)
+    redirect_output(str(root / "child.log"))
+    _use_sglangs_cpu_platform()
+    os.environ["SGLANG_EXPERT_LAYOUT_LEDGER_TEMPLATE"] = (
+        f"{directory}/ledger-{{device_uuid}}.sqlite"
+    )
+    server_args = _server_args(root, enable_eplb=True)
+    # EP rank 0 of 2: local slots 0-4; each slot's bytes say the expert the map names there
+    routed = {
+        layer: [torch.tensor([[float(e), 1.0 + layer] for e in HOOK_INITIAL[layer][:5]])]
+        for layer in range(len(HOOK_INITIAL))
+    }
+    cpu_load = _cpu_part_of_load(server_args)
+
+    def load(daemon: Any) -> None:
+        cpu_load(daemon)
+        daemon.model = SimpleNamespace(routed_experts_weights_of_layer=routed)
+
+    daemon = build_model_less_daemon(
+        str(root / "d.sock"), model_less_cache_config(Geometry(1, 1, 1))
+    )
+    daemon.server_args = server_args
+    daemon_hooks.around_load(load, daemon)
+    service = daemon_hooks.daemon_layout(daemon).service
+    first = service.handle({"type": msg.CONTENT_CHECK})
+    routed[2][0][3] = routed[2][0][0]  # slot 3 of layer 2 now holds slot 0's expert
+    second = service.handle({"type": msg.CONTENT_CHECK})
+    daemon_hooks.close_daemon_layout(daemon)
+    (root / "result.json").write_text(
+        json.dumps(
+            {
+                "first": {k: first["content"][k] for k in ("first_slot", "dirty")},
+                "layers": sorted(first["content"]["recorded"]),
+                "slots": [len(v) for v in first["content"]["recorded"].values()],
+                "expected": fingerprint_hex(fingerprint_slots(routed[0], 5)),
+                "recorded0": first["content"]["recorded"][0],
+                "second_dirty": second["content"]["dirty_reason"],
+            }
+        )
+    )
+
+
+def test_the_daemon_load_hook_fingerprints_the_loaded_models_routed_expert_slots(tmp_path):
+    from test_daemon_sglang_hooks import INITIAL as HOOK_INITIAL
+    from test_daemon_sglang_hooks import run_isolated
+
+    result = run_isolated(_load_hook_check, tmp_path)
+    assert result["first"] == {"first_slot": 0, "dirty": False}
+    assert (result["layers"], result["slots"]) == ([0, 1, 2], [5, 5, 5])
+    assert result["recorded0"] == result["expected"]
+    named = HOOK_INITIAL[2][3]
+    assert (
+        f"layer 2 slot 3: expert {named} by the record, holds expert {HOOK_INITIAL[2][0]}"
+        in (result["second_dirty"])
+    )

@@ -79,8 +79,9 @@ class Workspace:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def daemons(self, case: str, record: str = "ledger") -> list[Any]:
-        """One model-less daemon per EP rank, serving when this returns.
+    def daemons(self, case: str, record: str = "ledger", experts: Path | None = None) -> list[Any]:
+        """One model-less daemon per EP rank, serving when this returns; with ``experts``, each
+        serves (and fingerprints) its rank's expert files there (``--experts``).
 
         As ``daemon_control.start_daemon`` starts them, except that each releases its copy of
         the forkserver's keep-alive pipe first (``release_forkserver``), so that no daemon
@@ -106,6 +107,9 @@ class Workspace:
                 num_logical_experts=config.num_logical_experts,
                 num_physical_experts=config.num_physical_slots,
                 record=record,
+                extra=[]
+                if experts is None
+                else ["--experts", str(experts), "--expert-rank", str(rank)],
             )
             daemon = DaemonProcess(socket_path, ledger, str(directory / f"{name}.log"), argv)
             daemon.process = self.context.Process(
@@ -141,6 +145,7 @@ class Workspace:
         expert_dir: Path,
         *,
         plugin: bool = True,
+        env: tuple[tuple[str, str], ...] = (),
     ) -> CpuEngine:
         spec = EngineSpec(
             name=name,
@@ -153,6 +158,7 @@ class Workspace:
             plugin=plugin,
             load_seed=self.config.load_seed,
             log_dir=str(self.case_dir(case)),
+            env=env,
         )
         engine = CpuEngine.launch(spec, self.context)
         self._engines.append(engine)
