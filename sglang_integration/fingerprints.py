@@ -142,8 +142,12 @@ def _pieces(word_counts: Sequence[int]) -> list[list[tuple[int, int, int]]]:
     return pieces
 
 
-def _chunk_sums(words: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """``(num_slots, chunks)`` int64: step 3 over words ``[start, end)`` of every slot."""
+def _chunk_sums(words: torch.Tensor, start: int, end: int, scratch: torch.Tensor) -> torch.Tensor:
+    """``(num_slots, chunks)`` int64: step 3 over words ``[start, end)`` of every slot.
+
+    The float64 words go through ``scratch``, one buffer for the whole call: a fresh allocation
+    per block would cost more in page faults (on a CPU) than the conversion itself.
+    """
     table = _Tables.weights(words.device)
     num_slots = words.shape[0]
     per_block = max(1, _BUDGET // (8 * min(_BLOCK_WORDS, end - start)))
@@ -152,7 +156,9 @@ def _chunk_sums(words: torch.Tensor, start: int, end: int) -> torch.Tensor:
         columns = []
         for low in range(start, end, _BLOCK_WORDS):
             high = min(end, low + _BLOCK_WORDS)
-            block = words[first : first + per_block, low:high].to(torch.float64)
+            source = words[first : first + per_block, low:high]
+            block = scratch[: source.numel()].view(source.shape)
+            block.copy_(source)  # exact: every int32 is a float64
             whole = (high - low) // CHUNK_WORDS * CHUNK_WORDS
             if whole:
                 chunked = block[:, :whole].reshape(block.shape[0], -1, CHUNK_WORDS)
@@ -186,9 +192,11 @@ def fingerprint_slots(tensors: list[torch.Tensor], num_slots: int) -> torch.Tens
         raise ValueError(f"a layer's routed-expert tensors are on several devices: {devices}")
     with torch.no_grad():
         words = [_slot_words(tensor, num_slots) for tensor in tensors]
+        largest = max(min(_BUDGET // 8, w.numel()) for w in words)
+        scratch = torch.empty(largest, dtype=torch.float64, device=words[0].device)
         values = []
         for pieces in _pieces([w.shape[1] for w in words]):
-            sums = [_chunk_sums(words[index], start, end) for index, start, end in pieces]
+            sums = [_chunk_sums(words[index], start, end, scratch) for index, start, end in pieces]
             values.append(_part_value(torch.cat(sums, dim=1) if sums else _no_sums(words[0])))
         return torch.stack(values, dim=1)
 
