@@ -176,3 +176,18 @@ def test_another_process_computes_the_same_fingerprints(tmp_path):
 def test_a_layer_that_does_not_fit_is_refused_with_the_reason(tensors, slots, message):
     with pytest.raises(ValueError, match=message):
         fingerprint_slots(tensors, slots)
+
+
+def test_the_prepared_gpu_check_of_fingerprints_passes_on_the_cpu():
+    # scripts/gpu_fingerprints.py runs on CUDA where there is a GPU; the same checks on the CPU.
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_fingerprints.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--scale", "32"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("ok    ") == 9

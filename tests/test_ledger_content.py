@@ -391,3 +391,40 @@ def test_show_fingerprints_prints_each_slots_recorded_fingerprint_at_the_version
     assert shown[0] == {"slot": 6, "fingerprint": expert_fingerprint(1, 6)}
     code, out, _ = run_cli(capsys, "show", path, "--json")
     assert "fingerprints" not in json.loads(out)["layers"][0]
+
+
+def _readme_content_queries() -> dict[str, str]:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    queries = {}
+    for block in re.findall(r"```sql\n(.*?)```", text, flags=re.S):
+        first, _, rest = block.partition("\n")
+        match = re.fullmatch(r"-- content: (\S+)", first.strip())
+        if match:
+            queries[match.group(1)] = rest
+    return queries
+
+
+def test_the_readmes_content_queries_name_a_slots_bytes_and_replicas_that_differ(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
+    slots = Slots(initial, 0, ALL)
+    slots.zero(3, 9)  # the replica of expert 1 in slot 9 of layer 3, never filled
+    record, _ = _start(ledger, slots)
+    record.attach("A")
+    record.begin("A", 0, [3])
+    row = list(initial[3])
+    row[5], row[6] = row[6], row[5]
+    slots.fill(3, row)
+    slots.zero(3, 9)
+    record.commit("A", {3: row}, slots.fingerprints)
+    ledger.close()
+    queries = _readme_content_queries()
+    assert set(queries) == {"slot-bytes-at-version", "replicas-differ"}
+    with contextlib.closing(sqlite3.connect(f"file:{ledger.path}?mode=ro", uri=True)) as conn:
+        at_version = conn.execute(queries["slot-bytes-at-version"]).fetchall()
+        differ = conn.execute(queries["replicas-differ"]).fetchall()
+    assert at_version == [(1, 6, expert_fingerprint(3, 6))]
+    assert differ == [(1, 3, 0, 1, "1,9", 2), (1, 3, 1, 1, "1,9", 2)]
