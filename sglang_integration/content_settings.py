@@ -8,8 +8,10 @@ settings travel; ``ledger_paths``):
   differ makes it dirty (it refuses ``fetch_state`` and begin). An engine checks at startup that
   every slot holds the expert its map names, fails on every rank when one does not, and repairs
   daemons that an engine left mid-move.
-- ``warn``: the same fingerprints and checks, but a finding is logged and starts nothing failing
-  (the daemon stays clean; the engine starts); repairs still happen.
+- ``warn``: the same fingerprints and checks, but the two checks of a load only log what they
+  find: a daemon whose replicas differ stays clean, an engine whose loaded slots do not hold
+  their experts starts. Repairs still happen, and what a commit or an explicit content check
+  finds still marks the daemon dirty (the record would otherwise name content it does not have).
 - ``off``: no fingerprint is computed or recorded; a daemon answers the content check
   ``no_record``, and an engine starts as it did before content checks existed.
 """
