@@ -252,6 +252,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             version=args.version,
             layers=args.layers,
             ep_size=args.ep_size,
+            fingerprints=args.fingerprints,
         )
     _emit(args, collected.to_json(), report.render_show(collected))
     return exit_codes.OK
@@ -563,6 +564,15 @@ def _history_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--last", type=_positive, metavar="N", help="only the last N events")
 
 
+def _show_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fingerprints",
+        action="store_true",
+        help="also show the fingerprint the daemon recorded for each of its slots at that "
+        "version (which expert's bytes the slot held)",
+    )
+
+
 def _diff_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("from_version", type=_non_negative, metavar="V1", help="the version before")
     parser.add_argument("to_version", type=_non_negative, metavar="V2", help="the version after")
@@ -686,7 +696,7 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
 VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
     "status": (("ledger", "json", "incarnation"), None),
     "history": (("ledger", "rows", "incarnations", "layers"), _history_options),
-    "show": (("ledger", "json", "incarnation", "version", "layers", "ep_size"), None),
+    "show": (("ledger", "json", "incarnation", "version", "layers", "ep_size"), _show_options),
     "diff": (("ledger", "rows", "incarnation", "layers"), _diff_options),
     "export": (("ledger", "json", "incarnation", "version", "ep_size"), _export_options),
     "verify": (("ledger", "json"), None),

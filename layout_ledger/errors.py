@@ -92,3 +92,19 @@ class LayoutMismatch(RequestRefused):
 
 class MoveBusy(LedgerError):
     """Try again later: another engine is attached or another engine's move is pending."""
+
+
+class NothingToRepair(RequestRefused):
+    """A repair arrived at a daemon whose layout is known (it is not dirty)."""
+
+
+class NotRepairable(RequestRefused):
+    """The daemon is dirty for a cause a repair cannot clear (its content disagrees with itself)."""
+
+
+class NoContentRecord(RequestRefused):
+    """The daemon records no slot fingerprints, so it cannot check content."""
+
+
+class ContentMismatch(RequestRefused):
+    """A repair names content the daemon's own fingerprints do not show."""

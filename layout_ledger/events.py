@@ -13,12 +13,18 @@ BEGIN = "begin"
 COMMIT = "commit"
 ABORT = "abort"
 DIRTY = "dirty"  # an engine detached while its move was pending
+# Slot content that is not what the record says (a load that left a replica unfilled, content
+# that moved without a commit): the layout is unknown, as after DIRTY.
+CONTENT_DIRTY = "content_dirty"
+# An engine recorded the layout the weights of a dirty daemon's pending layers hold (a new
+# version, verified against the daemon's own fingerprints), which clears the dirty mark.
+REPAIR = "repair"
 NON_FOLLOWING_FETCH = "non_following_fetch"
 PRUNE = "prune"
 BEGIN_BUSY = "begin_busy"
 # A refused request appends "<verb>_refused" (attach, begin, commit, abort, fetch) and nothing else.
 REFUSED_SUFFIX = "_refused"
-REFUSABLE_VERBS = ("attach", "begin", "commit", "abort", "fetch")
+REFUSABLE_VERBS = ("attach", "begin", "commit", "abort", "fetch", "repair")
 
 ALL_KINDS: tuple[str, ...] = (
     START,
@@ -29,6 +35,8 @@ ALL_KINDS: tuple[str, ...] = (
     COMMIT,
     ABORT,
     DIRTY,
+    CONTENT_DIRTY,
+    REPAIR,
     NON_FOLLOWING_FETCH,
     PRUNE,
     BEGIN_BUSY,
@@ -37,6 +45,8 @@ ALL_KINDS: tuple[str, ...] = (
 
 # Kinds that end a pending move.
 MOVE_ENDING_KINDS = (COMMIT, ABORT, DIRTY)
+# Kinds that make the layout unknown, and the kind that makes it known again.
+DIRTY_KINDS = (DIRTY, CONTENT_DIRTY)
 
 MAX_TEXT = 1024  # events store at most this many characters of an engine id or a reason
 

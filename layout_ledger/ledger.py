@@ -27,6 +27,7 @@ from sqlalchemy.exc import DBAPIError
 
 from layout_ledger import events as ev
 from layout_ledger import maintenance, reader, replay
+from layout_ledger.content import LocalFingerprints
 from layout_ledger.errors import DamagedRow, LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.event_log import EventLog
 from layout_ledger.layout import Geometry, Map, validate_map
@@ -166,9 +167,11 @@ class Ledger:
         config_fingerprint: str = "",
         daemon_label: str = "",
         origin: IncarnationOrigin | None = None,
+        content: LocalFingerprints | None = None,
     ) -> LayoutRecord:
-        """Record a daemon start at version 0 and return its record; ``origin`` says where the
-        daemon runs (nothing recorded when None)."""
+        """Record a daemon start at version 0 (with its slots' ``content``, if it records it)
+        and return its record; ``origin`` says where the daemon runs (nothing recorded when
+        None)."""
         if self.record is not None:
             raise LedgerError(
                 f"incarnation {self.record.incarnation_id} is still live in this process; "
@@ -188,7 +191,7 @@ class Ledger:
                 origin=origin or IncarnationOrigin(),
             )
             record = LayoutRecord(
-                self.journal(incarnation_id), incarnation_id, geometry, initial_map
+                self.journal(incarnation_id), incarnation_id, geometry, initial_map, content=content
             )
             record.start(daemon_label, at)
         self.record = record
@@ -367,8 +370,13 @@ class LedgerJournal:
         self.ledger = ledger
         self.incarnation_id = incarnation_id
 
-    def append(self, events: Sequence[ev.Event], rows: Mapping[int, str] | None = None) -> None:
-        """Events (with a start's or commit's version and rows) and an end's incarnation update.
+    def append(
+        self,
+        events: Sequence[ev.Event],
+        rows: Mapping[int, str] | None = None,
+        fingerprints: LocalFingerprints | None = None,
+    ) -> None:
+        """Events (with a new version's rows and fingerprints) and an end's incarnation update.
 
         Versions (a start's or a commit's rows) and an incarnation's end are fsynced before
         this returns: a reply of ``ok`` to a commit means it is on disk. Every other event is
@@ -382,6 +390,8 @@ class LedgerJournal:
             if rows is not None:
                 (versioned,) = events
                 _insert_version(driver, self.incarnation_id, versioned, rows)
+                if fingerprints is not None:
+                    _insert_fingerprints(driver, self.incarnation_id, versioned, fingerprints)
             ledger._events.write(driver, self.incarnation_id, events)
             for event in events:
                 if event.kind == ev.END:
@@ -468,6 +478,25 @@ def _insert_version(
     )
 
 
+_INSERT_FINGERPRINTS = (
+    "INSERT INTO slot_fingerprints (incarnation_id, layer, version, first_slot, fingerprints) "
+    "VALUES (?, ?, ?, ?, ?)"
+)
+
+
+def _insert_fingerprints(
+    driver: sqlite3.Connection, incarnation_id: int, event: ev.Event, local: LocalFingerprints
+) -> None:
+    """A new version's slot fingerprints (the layers it wrote), in the caller's transaction."""
+    driver.executemany(
+        _INSERT_FINGERPRINTS,
+        [
+            (incarnation_id, layer, event.new_version, local.first_slot, local.row_json(layer))
+            for layer in sorted(local.layers)
+        ],
+    )
+
+
 def _mark_ended(driver: sqlite3.Connection, incarnation_id: int, end: ev.Event) -> None:
     """An end event's reason starts with the end state (``record.LayoutRecord._end``)."""
     state = (end.reason or "").partition(":")[0]
@@ -495,16 +524,21 @@ def _prune_one(
     keep_from = max(0, current - keep_versions + 1)
     if keep_from <= reader.reconstructible_from(conn, inc.incarnation_id):
         return None
-    # Per layer, the newest row at or before keep_from is the base every kept version builds on.
-    removed = conn.execute(
-        text(
-            "DELETE FROM layout_rows WHERE incarnation_id = :i AND version < ("
-            "  SELECT max(r.version) FROM layout_rows r"
-            "  WHERE r.incarnation_id = layout_rows.incarnation_id"
-            "    AND r.layer = layout_rows.layer AND r.version <= :keep)"
-        ),
-        {"i": inc.incarnation_id, "keep": keep_from},
-    ).rowcount
+    # Per layer, the newest row at or before keep_from is the base every kept version builds on;
+    # the slot fingerprints, written beside the rows, are kept the same way.
+    removed = 0
+    for table in ("layout_rows", "slot_fingerprints"):
+        deleted = conn.execute(
+            text(
+                f"DELETE FROM {table} WHERE incarnation_id = :i AND version < ("
+                f"  SELECT max(r.version) FROM {table} r"
+                f"  WHERE r.incarnation_id = {table}.incarnation_id"
+                f"    AND r.layer = {table}.layer AND r.version <= :keep)"
+            ),
+            {"i": inc.incarnation_id, "keep": keep_from},
+        ).rowcount
+        if table == "layout_rows":
+            removed = deleted
     events.write(
         _driver_of(conn),
         inc.incarnation_id,

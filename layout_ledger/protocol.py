@@ -5,8 +5,9 @@ sglang's ``send_msg`` pickles) and, where the other side reads it back, its ``fr
 
 - the names: request types, reply statuses, the ``fetch_state`` field, the older daemon's text;
 - ``PendingMove`` and ``LayoutView`` (the ``layout`` field of ``attach`` and ``query``);
-- the requests an engine sends (``AttachRequest`` ... ``AbortRequest``, and ``FetchLayout``, the
-  field its loader adds to ``fetch_state``);
+- the requests an engine sends (``AttachRequest`` ... ``AbortRequest``, ``ContentCheckRequest``,
+  ``RepairRequest``, and ``FetchLayout``, the field its loader adds to ``fetch_state``);
+- ``ContentView``, the ``content`` field of the reply to a content check;
 - the replies: the daemon builds them with ``layout_reply``, ``ok_reply``, ``Committed`` and
   ``refusal_reply``; the engine reads any of them with ``Reply.from_wire`` into one typed
   ``Outcome``, so no caller matches status strings.
@@ -21,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from layout_ledger.content import is_fingerprint
 from layout_ledger.layout import Map
 
 # --- names ------------------------------------------------------------------------------------
@@ -30,9 +32,11 @@ QUERY = "expert_layout_query"
 BEGIN = "expert_layout_begin"
 COMMIT = "expert_layout_commit"
 ABORT = "expert_layout_abort"
+CONTENT_CHECK = "expert_layout_content_check"
+REPAIR = "expert_layout_repair"
 FETCH_STATE = "fetch_state"
 
-LAYOUT_REQUEST_TYPES = frozenset({ATTACH, QUERY, BEGIN, COMMIT, ABORT})
+LAYOUT_REQUEST_TYPES = frozenset({ATTACH, QUERY, BEGIN, COMMIT, ABORT, CONTENT_CHECK, REPAIR})
 
 OK = "ok"
 BUSY = "busy"
@@ -170,6 +174,84 @@ class LayoutView:
         )
 
 
+def _fingerprint_layers(raw: Any, what: str) -> dict[int, tuple[str, ...]]:
+    """``{layer: [fingerprint, ...]}`` from the wire; raise ``ProtocolViolation``."""
+    if not isinstance(raw, Mapping):
+        raise ProtocolViolation(f"{what} is a {type(raw).__name__}, not a dict")
+    layers: dict[int, tuple[str, ...]] = {}
+    for layer, values in raw.items():
+        if type(layer) is not int or not isinstance(values, list):
+            raise ProtocolViolation(f"{what} maps {layer!r} to {type(values).__name__}")
+        if not all(is_fingerprint(value) for value in values):
+            raise ProtocolViolation(f"{what} of layer {layer} holds a value that is no fingerprint")
+        layers[layer] = tuple(values)
+    return layers
+
+
+@dataclass(frozen=True)
+class ContentView:
+    """The ``content`` field of an ``ok`` reply to ``expert_layout_content_check``.
+
+    The daemon's local slots (``first_slot`` on) per layer with routed-expert tensors: the
+    fingerprints it ``recorded`` at ``version`` and the ones it computed for this request
+    (``current``), the map of that version, and whether it is dirty: ``dirty_move`` is the
+    unfinished move of an engine that left mid-move (the one cause a repair clears).
+    """
+
+    version: int
+    digest: str
+    physical_to_logical_map: Map
+    first_slot: int
+    recorded: Mapping[int, tuple[str, ...]]
+    current: Mapping[int, tuple[str, ...]]
+    dirty: bool
+    dirty_reason: str | None
+    dirty_move: PendingMove | None
+    pending: PendingMove | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "digest": self.digest,
+            "physical_to_logical_map": [list(row) for row in self.physical_to_logical_map],
+            "first_slot": self.first_slot,
+            "recorded": {layer: list(v) for layer, v in self.recorded.items()},
+            "current": {layer: list(v) for layer, v in self.current.items()},
+            "dirty": self.dirty,
+            "dirty_reason": self.dirty_reason,
+            "dirty_move": None if self.dirty_move is None else self.dirty_move.to_wire(),
+            "pending": None if self.pending is None else self.pending.to_wire(),
+        }
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> ContentView:
+        """Validate a wire ``content`` dict; raise ``ProtocolViolation`` naming the bad field."""
+        if not isinstance(raw, Mapping):
+            raise ProtocolViolation(f"content is a {type(raw).__name__}, not a dict")
+        layout = LayoutView.from_wire(
+            {**raw, "attached": [], "non_following_fetch": False, "pending": None}
+        )
+        first_slot = raw.get("first_slot")
+        if type(first_slot) is not int or first_slot < 0:
+            raise ProtocolViolation(f"first_slot {first_slot!r} is not a non-negative int")
+        recorded = _fingerprint_layers(raw.get("recorded"), "recorded")
+        current = _fingerprint_layers(raw.get("current"), "current")
+        if set(recorded) != set(current):
+            raise ProtocolViolation("recorded and current fingerprints cover different layers")
+        return cls(
+            version=layout.version,
+            digest=layout.digest,
+            physical_to_logical_map=layout.physical_to_logical_map,
+            first_slot=first_slot,
+            recorded=recorded,
+            current=current,
+            dirty=layout.dirty,
+            dirty_reason=layout.dirty_reason,
+            dirty_move=PendingMove.from_wire(raw.get("dirty_move")),
+            pending=PendingMove.from_wire(raw.get("pending")),
+        )
+
+
 # --- requests (engine -> daemon) ----------------------------------------------------------------
 
 
@@ -227,7 +309,42 @@ class AbortRequest:
         return {"type": ABORT, "engine_id": self.engine_id}
 
 
-LayoutRequest = AttachRequest | QueryRequest | BeginRequest | CommitRequest | AbortRequest
+@dataclass(frozen=True)
+class ContentCheckRequest:
+    """Make the daemon fingerprint its slots now and compare them with its record."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": CONTENT_CHECK}
+
+
+@dataclass(frozen=True)
+class RepairRequest:
+    """Record the layout a dirty daemon's pending layers hold: ``rows`` (``{layer: row}``, the
+    whole row of exactly the dirty move's layers) and ``fingerprints`` (``{layer: [...]}``, the
+    daemon's local slots of those layers, as the engine read them)."""
+
+    engine_id: str
+    rows: Mapping[int, Sequence[int]]
+    fingerprints: Mapping[int, Sequence[str]]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": REPAIR,
+            "engine_id": self.engine_id,
+            "rows": {int(layer): [int(v) for v in row] for layer, row in self.rows.items()},
+            "fingerprints": {int(layer): list(v) for layer, v in self.fingerprints.items()},
+        }
+
+
+LayoutRequest = (
+    AttachRequest
+    | QueryRequest
+    | BeginRequest
+    | CommitRequest
+    | AbortRequest
+    | ContentCheckRequest
+    | RepairRequest
+)
 
 
 @dataclass(frozen=True)
@@ -257,6 +374,11 @@ def ok_reply() -> dict[str, Any]:
 def layout_reply(layout: LayoutView) -> dict[str, Any]:
     """``ok`` + ``layout`` (attach, query)."""
     return {"status": OK, "layout": layout.to_wire()}
+
+
+def content_reply(content: ContentView) -> dict[str, Any]:
+    """``ok`` + ``content`` (content check)."""
+    return {"status": OK, "content": content.to_wire()}
 
 
 def refusal_reply(status: str, reason: str) -> dict[str, Any]:
@@ -320,13 +442,15 @@ _KEPT_BODY_FIELDS = ("version", "digest")
 class Reply:
     """One request's result. ``reason`` is the daemon's reason or the local failure.
 
-    ``body`` is the reply dict as received; ``layout`` its typed ``layout`` field, if any.
+    ``body`` is the reply dict as received; ``layout`` and ``content`` its typed ``layout`` and
+    ``content`` fields, if any.
     """
 
     outcome: Outcome
     reason: str | None = None
     body: Mapping[str, Any] = field(default_factory=dict)
     layout: LayoutView | None = None
+    content: ContentView | None = None
 
     @property
     def ok(self) -> bool:
@@ -396,14 +520,24 @@ class Reply:
                 f"the daemon at {peer} answered {request_type} ok without a layout",
                 raw,
             )
-        if request_type == COMMIT:
+        if request_type in (COMMIT, REPAIR):
             try:
                 Committed.from_wire(raw)
             except ProtocolViolation:
                 return cls(
                     Outcome.ERROR,
-                    f"the daemon at {peer} acknowledged the commit without a valid "
+                    f"the daemon at {peer} acknowledged the {request_type} without a valid "
                     f"version and digest: {dict(raw)!r}",
                     raw,
                 )
-        return cls(Outcome.OK, reason, raw, layout)
+        content = None
+        if request_type == CONTENT_CHECK:
+            try:
+                content = ContentView.from_wire(raw.get("content"))
+            except ProtocolViolation as exc:
+                return cls(
+                    Outcome.ERROR,
+                    f"the daemon at {peer} sent a malformed content check: {exc}",
+                    raw,
+                )
+        return cls(Outcome.OK, reason, raw, layout, content)

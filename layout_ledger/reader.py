@@ -19,6 +19,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from layout_ledger import events as ev
+from layout_ledger.content import LocalFingerprints, is_fingerprint
 from layout_ledger.errors import DamagedRow, LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.layout import Geometry, Map
 from layout_ledger.origin import COLUMNS as ORIGIN_COLUMNS
@@ -171,6 +172,37 @@ def row_jsons_at(conn: Connection, inc: Incarnation, version: int) -> list[str]:
             )
         jsons.append(str(slots))
     return jsons
+
+
+_FINGERPRINTS_AT = text(
+    "SELECT f.row_id, f.layer, f.first_slot, f.fingerprints FROM slot_fingerprints f "
+    "WHERE f.incarnation_id = :i AND f.version = ("
+    "  SELECT max(g.version) FROM slot_fingerprints g"
+    "  WHERE g.incarnation_id = f.incarnation_id AND g.layer = f.layer AND g.version <= :v"
+    ") ORDER BY f.layer"
+)
+
+
+def fingerprints_at(conn: Connection, inc: Incarnation, version: int) -> LocalFingerprints | None:
+    """The daemon's recorded slot fingerprints at ``version`` (per layer, the newest row at or
+    before it), or None when it recorded none."""
+    rows = conn.execute(_FINGERPRINTS_AT, {"i": inc.incarnation_id, "v": version}).all()
+    if not rows:
+        return None
+    layers: dict[int, tuple[str, ...]] = {}
+    first_slots = set()
+    for row_id, layer, first_slot, values in rows:
+        try:
+            parsed = json.loads(values)
+        except (TypeError, ValueError):
+            parsed = None
+        if not isinstance(parsed, list) or not all(is_fingerprint(v) for v in parsed):
+            raise DamagedRow(
+                "slot_fingerprints", int(row_id), "fingerprints", "not a JSON list of fingerprints"
+            )
+        layers[int(layer)] = tuple(parsed)
+        first_slots.add(int(first_slot))
+    return LocalFingerprints(min(first_slots), layers)
 
 
 def map_at(conn: Connection, inc: Incarnation, version: int | None = None) -> Map:

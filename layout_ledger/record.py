@@ -7,7 +7,7 @@ refused request appends its one refusal event (``<verb>_refused`` or ``begin_bus
 same locked step and raises; nothing else changes. A journal that fails to append (the ledger
 could not write) therefore leaves memory and file in the same state.
 
-Journals (composition, one method: ``append(events, rows=None)``):
+Journals (composition, one method: ``append(events, rows=None, fingerprints=None)``):
 
 - ``layout_ledger.ledger.LedgerJournal`` writes each append as one durable SQLite transaction;
 - ``MemoryJournal`` keeps nothing (benchmarks, the model-less daemon's ``--in-memory``);
@@ -22,6 +22,7 @@ rows do not show.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -29,15 +30,22 @@ from typing import Any, NoReturn, Protocol
 
 from layout_ledger import events as ev
 from layout_ledger import rules
+from layout_ledger.content import (
+    ExpertContents,
+    LocalFingerprints,
+    changed_slots,
+    describe_changes,
+)
 from layout_ledger.errors import (
     EngineNotAttached,
     LedgerError,
     MoveBusy,
+    NoContentRecord,
     RequestRefused,
 )
 from layout_ledger.layout import Geometry, Map, digest_of_row_jsons, row_json
-from layout_ledger.protocol import PendingMove
-from layout_ledger.state import DirtyMark, LayoutState, utc_now
+from layout_ledger.protocol import ContentView, PendingMove
+from layout_ledger.state import ContentFinding, DirtyMark, LayoutState, utc_now
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +55,32 @@ END_FOUND_UNENDED = "the daemon did not shut down cleanly (found unended at the 
 EOF_DETACH = "attach connection closed (EOF)"
 
 
+# A function that fingerprints the daemon's local slots of some layers, now.
+Fingerprinter = Callable[[Sequence[int]], LocalFingerprints]
+
+
 class Journal(Protocol):
     """Where a record's changes go, all or nothing, before they take effect."""
 
-    def append(self, events: Sequence[ev.Event], rows: Mapping[int, str] | None = None) -> None:
-        """Append ``events`` (a start's or commit's ``rows``: layer -> row JSON) atomically."""
+    def append(
+        self,
+        events: Sequence[ev.Event],
+        rows: Mapping[int, str] | None = None,
+        fingerprints: LocalFingerprints | None = None,
+    ) -> None:
+        """Append ``events`` atomically, with a new version's ``rows`` (layer -> row JSON) and
+        its layers' slot ``fingerprints`` (a start's, commit's or repair's)."""
 
 
 class MemoryJournal:
     """A journal that keeps nothing: the same rules, no persistence."""
 
-    def append(self, events: Sequence[ev.Event], rows: Mapping[int, str] | None = None) -> None:
+    def append(
+        self,
+        events: Sequence[ev.Event],
+        rows: Mapping[int, str] | None = None,
+        fingerprints: LocalFingerprints | None = None,
+    ) -> None:
         return None
 
 
@@ -70,10 +93,16 @@ class LayoutRecord:
 
     @classmethod
     def in_memory(
-        cls, geometry: Geometry, physical_to_logical_map: Map, incarnation_id: int = 1
+        cls,
+        geometry: Geometry,
+        physical_to_logical_map: Map,
+        incarnation_id: int = 1,
+        content: LocalFingerprints | None = None,
     ) -> LayoutRecord:
         """A record that persists nothing (``MemoryJournal``)."""
-        return cls(MemoryJournal(), incarnation_id, geometry, physical_to_logical_map)
+        return cls(
+            MemoryJournal(), incarnation_id, geometry, physical_to_logical_map, content=content
+        )
 
     def __init__(
         self,
@@ -83,6 +112,7 @@ class LayoutRecord:
         physical_to_logical_map: Map,
         *,
         clock: Callable[[], str] | None = None,
+        content: LocalFingerprints | None = None,
     ) -> None:
         self._lock = threading.RLock()
         self.journal = journal
@@ -98,6 +128,12 @@ class LayoutRecord:
         self._attached: dict[str, str] = {}
         self.non_following_fetch = False
         self.end_state: str | None = None
+        # The local slots' fingerprints at the current version (None: this daemon records none)
+        # and every expert's content learned from them this incarnation.
+        self.content = content
+        self.known = ExpertContents()
+        if content is not None:
+            self._learn(physical_to_logical_map, content)
 
     @property
     def lock(self) -> threading.RLock:
@@ -155,7 +191,7 @@ class LayoutRecord:
     # --- transitions --------------------------------------------------------------------
 
     def start(self, label: str | None = None, at: str | None = None) -> None:
-        """Append the incarnation's start: version 0, every layer's row."""
+        """Append the incarnation's start: version 0, every layer's row and fingerprints."""
         with self._lock:
             rows = dict(enumerate(self._known_rows()))
             self.journal.append(
@@ -170,6 +206,7 @@ class LayoutRecord:
                     )
                 ],
                 rows,
+                self.content,
             )
 
     def attach(self, engine_id: Any) -> None:
@@ -218,8 +255,16 @@ class LayoutRecord:
             self.pending = move
             return move
 
-    def commit(self, engine_id: Any, rows: Any) -> tuple[int, str]:
-        """Store the pending layers' new rows; returns (new version, digest of the whole map)."""
+    def commit(
+        self, engine_id: Any, rows: Any, fingerprints_of: Fingerprinter | None = None
+    ) -> tuple[int, str]:
+        """Store the pending layers' new rows; returns (new version, digest of the whole map).
+
+        With ``fingerprints_of`` (a daemon that records content) the moved layers' slots are
+        fingerprinted once the commit is accepted (the engine synchronized before sending it) and
+        recorded with the rows; a slot that holds another expert than its new row names marks the
+        daemon dirty after the commit (``committed_content_problems``).
+        """
         with self._lock:
             try:
                 move, new_row_jsons = rules.check_commit(self, engine_id, rows)
@@ -228,7 +273,13 @@ class LayoutRecord:
             row_jsons = list(self._known_rows())
             for layer, text in new_row_jsons.items():
                 row_jsons[layer] = text
-            return self._committed(move, digest_of_row_jsons(row_jsons), new_row_jsons, row_jsons)
+            found = self._fingerprints_now(fingerprints_of, move.layers)
+            version, digest = self._committed(
+                move, digest_of_row_jsons(row_jsons), new_row_jsons, row_jsons, fingerprints=found
+            )
+            if found is not None:
+                self._check_committed_content(found)
+            return version, digest
 
     def commit_recorded(
         self, engine_id: Any, layers: Sequence[int], digest: str
@@ -252,16 +303,21 @@ class LayoutRecord:
         digest: str,
         new_row_jsons: dict[int, str] | None,
         row_jsons: list[str] | None,
+        *,
+        fingerprints: LocalFingerprints | None = None,
+        kind: str = ev.COMMIT,
     ) -> tuple[int, str]:
+        """A new version (a commit's, or a repair's): append, then take it on."""
         new_version = self.version + 1
-        event = _move_event(
-            ev.COMMIT, move, self._clock(), new_version=new_version, digest_after=digest
-        )
-        self.journal.append([event], new_row_jsons if new_row_jsons is not None else {})
+        event = _move_event(kind, move, self._clock(), new_version=new_version, digest_after=digest)
+        rows = new_row_jsons if new_row_jsons is not None else {}
+        self.journal.append([event], rows, fingerprints)
         self._row_jsons = row_jsons
         self.version = new_version
         self.digest = digest
         self.pending = None
+        if fingerprints is not None and self.content is not None:
+            self.content = self.content.updated(fingerprints)
         return new_version, digest
 
     def restore_map(self, row_jsons: Sequence[str]) -> None:
@@ -307,6 +363,156 @@ class LayoutRecord:
                 )
                 self.non_following_fetch = True
             return verdict
+
+    # --- content: the load check, the content check, repairs ------------------------------------
+
+    def check_loaded_content(self, enforce: bool = True) -> str | None:
+        """After the start: slots the map gives one expert must hold the same bytes. Returns
+        the problem in words (None: none); with ``enforce`` the daemon is marked dirty for it."""
+        with self._lock:
+            if self.content is None:
+                return None
+            problems = rules.loaded_content_problems(self.physical_to_logical_map(), self.content)
+            if not problems:
+                return None
+            problem = "the weights this daemon loaded do not match its layout: " + "; ".join(
+                problems.values()
+            )
+            if enforce:
+                self.mark_content_dirty(
+                    sorted(problems),
+                    problem + "; restart the daemon (its loader left slots it should have filled)",
+                )
+            return problem
+
+    def mark_content_dirty(self, layers: Sequence[int], reason: str) -> DirtyMark:
+        """The slots' content is not what the record says: the layout is unknown (refused like
+        a daemon an engine left mid-move)."""
+        with self._lock:
+            try:
+                rules.check_content_mark(self)
+            except RequestRefused as exc:
+                raise LedgerError(f"cannot mark the content dirty: {exc}") from exc
+            at = self._clock()
+            finding = ContentFinding(tuple(sorted(layers)), self.version, ev.clip(reason) or "")
+            self.journal.append(
+                [
+                    ev.Event(
+                        at=at,
+                        kind=ev.CONTENT_DIRTY,
+                        layers=finding.layers,
+                        base_version=self.version,
+                        reason=finding.reason,
+                    )
+                ]
+            )
+            self.dirty = DirtyMark(move=None, at=at, content=finding)
+            return self.dirty
+
+    def content_check(self, current: LocalFingerprints) -> ContentView:
+        """Compare the slots' fingerprints now with the record (but the layers a move is
+        changing); content that moved without a commit marks a clean daemon dirty."""
+        with self._lock:
+            recorded = self.content
+            if recorded is None:
+                raise NoContentRecord(rules.NO_CONTENT_RECORD)
+            skip = set() if self.pending is None else set(self.pending.layers)
+            if self.dirty is not None and self.dirty.move is not None:
+                skip |= set(self.dirty.move.layers)
+            changed = changed_slots(recorded, current, skip)
+            if changed and self.dirty is None:
+                the_map = self.physical_to_logical_map()
+                self.mark_content_dirty(
+                    sorted(changed),
+                    "slot content moved without a commit: "
+                    + describe_changes(changed, current, self.known, the_map)
+                    + "; restart the daemon",
+                )
+            return self._content_view(recorded, current)
+
+    def _content_view(self, recorded: LocalFingerprints, current: LocalFingerprints) -> ContentView:
+        dirty = self.dirty
+        return ContentView(
+            version=self.version,
+            digest=self.digest,
+            physical_to_logical_map=self.physical_to_logical_map(),
+            first_slot=recorded.first_slot,
+            recorded=dict(recorded.layers),
+            current=dict(current.layers),
+            dirty=dirty is not None,
+            dirty_reason=None if dirty is None else dirty.reason,
+            dirty_move=None if dirty is None else dirty.move,
+            pending=self.pending,
+        )
+
+    def repair(
+        self, engine_id: Any, rows: Any, fingerprints: Any, current: LocalFingerprints | None
+    ) -> tuple[int, str]:
+        """Record the layout the dirty move's layers hold (checked against ``current``, this
+        daemon's own fingerprints now) as a new version, and clear the dirty mark."""
+        with self._lock:
+            content = None
+            if self.content is not None and current is not None:
+                content = rules.DaemonContent(self.content, current, self.known)
+            try:
+                move, valid_rows, claimed = rules.check_repair(
+                    self, engine_id, rows, fingerprints, content
+                )
+            except RequestRefused as exc:
+                self._refuse("repair", engine_id, exc)
+            new_row_jsons = {layer: row_json(row) for layer, row in valid_rows.items()}
+            row_jsons = list(self._known_rows())
+            for layer, text in new_row_jsons.items():
+                row_jsons[layer] = text
+            digest = digest_of_row_jsons(row_jsons)
+            repairer = dataclasses.replace(move, engine_id=engine_id)
+            result = self._committed(
+                repairer, digest, new_row_jsons, row_jsons, fingerprints=claimed, kind=ev.REPAIR
+            )
+            self.dirty = None
+            self._learn(self.physical_to_logical_map(), claimed)
+            return result
+
+    def repair_recorded(
+        self, engine_id: Any, layers: Sequence[int], digest: str
+    ) -> tuple[int, str]:
+        """Replay a repair known by its layers and recorded digest (as ``commit_recorded``)."""
+        with self._lock:
+            try:
+                move = rules.check_recorded_repair(self, engine_id, layers)
+            except RequestRefused as exc:
+                self._refuse("repair", engine_id, exc)
+            repairer = dataclasses.replace(move, engine_id=engine_id)
+            result = self._committed(repairer, digest, None, None, kind=ev.REPAIR)
+            self.dirty = None
+            return result
+
+    def _fingerprints_now(
+        self, fingerprints_of: Fingerprinter | None, layers: Sequence[int]
+    ) -> LocalFingerprints | None:
+        if fingerprints_of is None or self.content is None:
+            return None
+        try:
+            return fingerprints_of(layers).only(layers)
+        except Exception as exc:  # a device error: the commit is not recorded
+            raise LedgerError(
+                f"fingerprinting the moved layers {list(layers)} failed: {exc}"
+            ) from exc
+
+    def _check_committed_content(self, found: LocalFingerprints) -> None:
+        the_map = self.physical_to_logical_map()
+        problems = rules.committed_content_problems(the_map, found, self.known)
+        self._learn(the_map, found)
+        if problems and self.dirty is None:
+            self.mark_content_dirty(
+                sorted(problems),
+                f"after the commit of version {self.version}, slots do not hold the experts the "
+                f"map names: " + "; ".join(problems.values()) + "; restart the daemon",
+            )
+
+    def _learn(self, the_map: Map, local: LocalFingerprints) -> None:
+        for layer, fingerprints in local.layers.items():
+            self.known.learn_slots(layer, the_map[layer], fingerprints, local.first_slot)
 
     def shut_down(self) -> str:
         """The daemon stops: end the incarnation, dirty if the layout is unknown or in flux."""

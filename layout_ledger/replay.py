@@ -25,6 +25,7 @@ from sqlalchemy import Connection, text
 
 from layout_ledger import errors, rules
 from layout_ledger import events as ev
+from layout_ledger.content import LocalFingerprints
 from layout_ledger.layout import Map
 from layout_ledger.record import END_FOUND_UNENDED, Journal, LayoutRecord
 from layout_ledger.state import utc_now
@@ -84,9 +85,14 @@ class StoredEvents:
         upcoming = self.peek()
         return utc_now() if upcoming is None else upcoming.event.at
 
-    def append(self, events: Sequence[ev.Event], rows: Mapping[int, str] | None = None) -> None:
+    def append(
+        self,
+        events: Sequence[ev.Event],
+        rows: Mapping[int, str] | None = None,
+        fingerprints: LocalFingerprints | None = None,
+    ) -> None:
         if self.peek() is None and self._then is not None:
-            self._then.append(events, rows)
+            self._then.append(events, rows, fingerprints)
             return
         for event in events:
             stored = self.peek()
@@ -153,6 +159,11 @@ def _replay_one(
         elif kind == ev.COMMIT:
             digest, layers = _recorded_version(stored, versions)
             record.commit_recorded(engine, layers, digest)
+        elif kind == ev.REPAIR:
+            digest, layers = _recorded_version(stored, versions)
+            record.repair_recorded(engine, layers, digest)
+        elif kind == ev.CONTENT_DIRTY:
+            _replay_content_dirty(record, stored)
         elif kind == ev.ABORT:
             record.abort(engine)
         elif kind == ev.NON_FOLLOWING_FETCH:
@@ -168,6 +179,18 @@ def _replay_one(
             record.record_refusal(verb, engine, event.reason or "", busy=kind == ev.BEGIN_BUSY)
     except (errors.RequestRefused, errors.MoveBusy) as exc:
         raise ReplayMismatch(_refused(stored, exc, record)) from exc
+
+
+def _replay_content_dirty(record: LayoutRecord, stored: StoredEvent) -> None:
+    event = stored.event
+    if record.dirty is not None:
+        raise ReplayMismatch(f"{stored.where} marks a daemon that was already dirty")
+    if event.base_version != record.version:
+        raise ReplayMismatch(
+            f"{stored.where} names version {event.base_version} but the version was "
+            f"{record.version}"
+        )
+    record.mark_content_dirty(list(event.layers or ()), event.reason or "")
 
 
 def _recorded_version(

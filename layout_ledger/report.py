@@ -28,6 +28,7 @@ from sqlalchemy import Connection, text
 
 from layout_ledger import events as ev
 from layout_ledger import exit_codes, reader
+from layout_ledger.content import LocalFingerprints
 from layout_ledger.errors import LedgerError, LedgerStorageError
 from layout_ledger.json_shape import JsonObject, JsonShaped, json_field
 from layout_ledger.layer_ranges import LayerRanges
@@ -208,7 +209,9 @@ def _dirty_json(dirty: DirtyMark | None) -> JsonObject:
     return {
         "dirty": dirty is not None,
         "dirty_reason": None if dirty is None else dirty.reason,
-        "dirty_move": None if dirty is None else {**dirty.move.to_wire(), "at": dirty.at},
+        "dirty_move": None
+        if dirty is None or dirty.move is None
+        else {**dirty.move.to_wire(), "at": dirty.at},
     }
 
 
@@ -581,9 +584,23 @@ def _held_json(held: HeldMap) -> JsonObject:
 
 
 @dataclass(frozen=True)
+class SlotPrint(JsonShaped):
+    slot: int
+    fingerprint: str
+
+
+def _prints_json(prints: tuple[SlotPrint, ...] | None) -> JsonObject:
+    return {} if prints is None else {"fingerprints": [p.to_json() for p in prints]}
+
+
+@dataclass(frozen=True)
 class ShownLayer(JsonShaped):
     layer: int
     slots: tuple[int, ...]
+    # With --fingerprints: the daemon's local slots' fingerprints at that version.
+    fingerprints: tuple[SlotPrint, ...] | None = field(
+        default=None, metadata=json_field(convert=_prints_json, spread=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -601,13 +618,33 @@ def collect_show(
     version: int | None = None,
     layers: LayerRanges | None = None,
     ep_size: int = 1,
+    fingerprints: bool = False,
 ) -> ShowReport:
     with ledger.connect() as conn:
         held = held_map(conn, incarnation_id, version)
+        recorded = (
+            reader.fingerprints_at(conn, held.incarnation, held.version) if fingerprints else None
+        )
     check_ep_size(ep_size, held.incarnation.geometry)
     chosen = check_layers(layers, held.incarnation.geometry)
-    shown = tuple(ShownLayer(layer, tuple(held.physical_to_logical_map[layer])) for layer in chosen)
+    shown = tuple(
+        ShownLayer(
+            layer,
+            tuple(held.physical_to_logical_map[layer]),
+            _slot_prints(recorded, layer) if fingerprints else None,
+        )
+        for layer in chosen
+    )
     return ShowReport(str(ledger.path), held, ep_size, shown)
+
+
+def _slot_prints(recorded: LocalFingerprints | None, layer: int) -> tuple[SlotPrint, ...]:
+    if recorded is None or layer not in recorded.layers:
+        return ()
+    return tuple(
+        SlotPrint(recorded.first_slot + index, value)
+        for index, value in enumerate(recorded.layers[layer])
+    )
 
 
 def render_show(report: ShowReport) -> list[str]:
@@ -615,7 +652,17 @@ def render_show(report: ShowReport) -> list[str]:
     shown_text = format_physical_to_logical_map(
         report.held.physical_to_logical_map, report.ep_size, layer_ids
     )
-    return shown_text.split("\n")
+    lines = shown_text.split("\n")
+    printed = [shown for shown in report.layers if shown.fingerprints is not None]
+    if printed:
+        lines.append(
+            f"slot fingerprints at version {report.held.version} (the daemon's own slots; the "
+            f"first 12 of 64 hex digits; - none recorded)"
+        )
+        for shown in printed:
+            cells = [f"{p.slot}={p.fingerprint[:12]}" for p in shown.fingerprints or ()]
+            lines.append(f"layer={shown.layer}: " + (" ".join(cells) or "-"))
+    return lines
 
 
 # --- diff ---------------------------------------------------------------------------------

@@ -10,16 +10,26 @@ refused, never busy", so every permanent refusal is checked before the two busy 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from layout_ledger import errors
+from layout_ledger.content import (
+    ZERO,
+    ExpertContents,
+    LocalFingerprints,
+    changed_slots,
+    fingerprints_from_wire,
+    replica_disagreements,
+    short,
+)
 from layout_ledger.layout import (
     Geometry,
     check_row_layers,
     is_int,
     validate_layers,
+    validate_rows,
     validate_rows_json,
 )
 from layout_ledger.protocol import PendingMove
@@ -252,3 +262,150 @@ def check_fetch(state: StateView, field: Any) -> FetchVerdict:
     if engine_id is not None and engine_id in state.attached:
         return FetchVerdict(following=True, engine_id=engine_id, reason="")
     return FetchVerdict(following=False, engine_id=engine_id, reason=FETCH_UNATTACHED)
+
+
+# --- content: the load check, the dirty mark, repairs ---------------------------------------------
+
+
+def check_content_mark(state: StateView) -> None:
+    """A content dirty mark needs a daemon whose layout is still known."""
+    if state.dirty is not None:
+        raise errors.LayoutDirty(f"this daemon's expert layout is unknown: {state.dirty.reason}")
+
+
+def loaded_content_problems(
+    physical_to_logical_map: Sequence[Sequence[int]], local: LocalFingerprints
+) -> dict[int, str]:
+    """At load: slots the map gives one expert must hold the same bytes (per layer, in words)."""
+    return replica_disagreements(physical_to_logical_map, local)
+
+
+def committed_content_problems(
+    physical_to_logical_map: Sequence[Sequence[int]],
+    local: LocalFingerprints,
+    known: ExpertContents,
+) -> dict[int, str]:
+    """After a move: each moved slot must hold the expert its new row names, as far as this
+    daemon knows that expert's content (an expert it never held is learned, not checked)."""
+    found: dict[int, str] = {}
+    for layer, fingerprints in sorted(local.layers.items()):
+        texts = []
+        for index, fingerprint in enumerate(fingerprints):
+            slot = local.first_slot + index
+            named = int(physical_to_logical_map[layer][slot])
+            held = known.identify(layer, fingerprint)
+            expected = known.fingerprint_of(layer, named)
+            wrong_expert = held.whole_expert and held.expert != named
+            if fingerprint == ZERO or wrong_expert or (expected not in (None, fingerprint)):
+                texts.append(f"slot {slot} holds {held.text}, not expert {named}")
+        if texts:
+            found[layer] = f"layer {layer}: " + "; ".join(texts)
+    return found
+
+
+def _repaired_layer_problems(
+    layer: int, row: Sequence[int], local: LocalFingerprints, known: ExpertContents
+) -> list[str]:
+    problems = []
+    for index, fingerprint in enumerate(local.layers[layer]):
+        slot = local.first_slot + index
+        named = int(row[slot])
+        held = known.identify(layer, fingerprint)
+        expected = known.fingerprint_of(layer, named)
+        if fingerprint == ZERO or (held.whole_expert and held.expert != named):
+            problems.append(f"layer {layer} slot {slot} holds {held.text}, not expert {named}")
+        elif expected is not None and expected != fingerprint:
+            problems.append(
+                f"layer {layer} slot {slot} holds {held.text}, not expert {named} "
+                f"({short(expected)}...)"
+            )
+    return problems
+
+
+@dataclass(frozen=True)
+class DaemonContent:
+    """What a daemon knows of its slots' content: recorded, found now, and every expert's."""
+
+    recorded: LocalFingerprints
+    current: LocalFingerprints
+    known: ExpertContents
+
+
+def check_repair(
+    state: StateView, engine_id: Any, rows: Any, fingerprints: Any, content: DaemonContent | None
+) -> tuple[PendingMove, dict[int, list[int]], LocalFingerprints]:
+    """A repair: the dirty move's layers, rows and fingerprints the daemon's own content shows.
+
+    Returns the dirty move, the validated rows and the fingerprints; raises ``RequestRefused``.
+    """
+    move = _repairable(state, engine_id)
+    if content is None:
+        raise errors.NoContentRecord(NO_CONTENT_RECORD)
+    valid_rows = validate_rows(rows, move.layers, state.geometry)
+    fingerprinted = [layer for layer in move.layers if layer in content.recorded.layers]
+    first, count = content.recorded.first_slot, _local_slot_count(content.recorded)
+    claimed = fingerprints_from_wire(fingerprints, fingerprinted, first, count)
+    for layer in fingerprinted:
+        for index, (said, found) in enumerate(
+            zip(claimed.layers[layer], content.current.layers[layer], strict=True)
+        ):
+            if said != found:
+                raise errors.ContentMismatch(
+                    f"layer {layer} slot {first + index}: the repair says {short(said)}... but "
+                    f"this daemon's slot holds {short(found)}...; the content changed, or the "
+                    f"engine read other weights"
+                )
+    moved = changed_slots(content.recorded, content.current, skip=move.layers)
+    if moved:
+        layer, indexes = next(iter(moved.items()))
+        raise errors.ContentMismatch(
+            f"content outside the pending layers moved without a commit (layer {layer} slots "
+            f"{[first + index for index in indexes]}); a repair records only the pending layers, "
+            f"restart the daemon"
+        )
+    problems = [
+        text
+        for layer in fingerprinted
+        for text in _repaired_layer_problems(layer, valid_rows[layer], claimed, content.known)
+    ]
+    if problems:
+        raise errors.ContentMismatch(
+            "the repair's rows do not name what the slots hold: " + "; ".join(problems[:8])
+        )
+    return move, valid_rows, claimed
+
+
+def check_recorded_repair(state: StateView, engine_id: Any, layers: Any) -> PendingMove:
+    """``check_repair`` for a repair known by its layers alone (a replay of a ledger's history)."""
+    move = _repairable(state, engine_id)
+    check_row_layers(layers, move.layers)
+    return move
+
+
+def _repairable(state: StateView, engine_id: Any) -> PendingMove:
+    engine_id = check_engine_id(engine_id)
+    if engine_id not in state.attached:
+        raise errors.EngineNotAttached(
+            f"engine {engine_id!r} is not attached; attach before repairing the layout"
+        )
+    dirty = state.dirty
+    if dirty is None:
+        raise errors.NothingToRepair(
+            "this daemon's expert layout is known (it is not dirty); there is nothing to repair"
+        )
+    if dirty.move is None:
+        raise errors.NotRepairable(
+            f"this daemon is dirty because {dirty.reason}; a repair only records the layout an "
+            f"engine's unfinished move left, restart the daemon"
+        )
+    return dirty.move
+
+
+def _local_slot_count(local: LocalFingerprints) -> int:
+    return len(next(iter(local.layers.values()), ()))
+
+
+NO_CONTENT_RECORD = (
+    "this daemon records no slot fingerprints (it runs with --expert-layout-content-check off, "
+    "or serves no expert tensors), so it cannot check the content of its slots"
+)

@@ -28,12 +28,13 @@ from sqlalchemy import (
 # Mixed versions: a writer upgrades an older file to this revision when it opens it; a file at
 # a revision not in KNOWN_REVISIONS was written by newer code and is refused by every opener,
 # read-only ones included, because its tables may no longer mean what this code assumes.
-SCHEMA_HEAD = "0004_incarnation_origin"
+SCHEMA_HEAD = "0005_slot_fingerprints"
 KNOWN_REVISIONS = (
     "0001_initial",
     "0002_forensic_views",
     "0003_event_counts_and_chain",
     "0004_incarnation_origin",
+    "0005_slot_fingerprints",
 )
 
 metadata = MetaData()
@@ -107,6 +108,30 @@ layout_rows = Table(
         name="fk_layout_rows_version",
     ),
     UniqueConstraint("incarnation_id", "layer", "version", name="uq_layout_rows_layer_version"),
+)
+
+# Written beside layout_rows (same key): the fingerprints of one daemon's local slots of a layer
+# at a version that wrote the layer's row (layout_ledger.content; 64 hex digits per slot).
+slot_fingerprints = Table(
+    "slot_fingerprints",
+    metadata,
+    Column("row_id", Integer, primary_key=True, autoincrement=True),
+    Column("incarnation_id", Integer, nullable=False),
+    Column("layer", Integer, nullable=False),
+    Column("version", Integer, nullable=False),
+    # The physical slot of the first fingerprint; the others follow it.
+    Column("first_slot", Integer, nullable=False),
+    # Compact JSON array of fingerprints (strings).
+    Column("fingerprints", Text, nullable=False),
+    ForeignKeyConstraint(
+        ["incarnation_id", "version"],
+        ["versions.incarnation_id", "versions.version"],
+        ondelete="CASCADE",
+        name="fk_slot_fingerprints_version",
+    ),
+    UniqueConstraint(
+        "incarnation_id", "layer", "version", name="uq_slot_fingerprints_layer_version"
+    ),
 )
 
 events = Table(

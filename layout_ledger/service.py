@@ -6,7 +6,10 @@ requests that arrive on the daemon's control socket, keeps an attach connection 
 
 It is one table from request type to the record's transition (``TRANSITIONS``; a request that
 names an engine first has its id checked by the record, ``NAMES_ENGINE``) and one mapping
-from what a transition raises to a status: ``MoveBusy`` -> ``busy``, ``RequestRefused`` ->
+from what a transition raises to a status. A daemon that records slot content has a
+``ContentSource`` (its own tensors, fingerprinted on their device): commits record the moved
+layers' fingerprints, the content check compares them with the record, and a repair is checked
+against them. The mapping: ``MoveBusy`` -> ``busy``, ``RequestRefused`` ->
 ``refused`` (``layout_refused`` for a fetch), any other ``LedgerError`` (the ledger could not
 record the change, so it was not applied) -> ``error``. The record itself writes a refusal's one
 event. A daemon without a record answers attach and query with ``no_record`` and refuses begin,
@@ -16,12 +19,14 @@ commit and abort.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from layout_ledger import protocol as msg
+from layout_ledger.content import LocalFingerprints
 from layout_ledger.errors import LedgerError, MoveBusy, RequestRefused
 from layout_ledger.record import LayoutRecord
+from layout_ledger.rules import NO_CONTENT_RECORD
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,13 @@ Reply = dict[str, Any]
 Request = dict[str, Any]
 
 
+class ContentSource(Protocol):
+    """A daemon's own slots: their fingerprints now, on the tensors' device."""
+
+    def fingerprints(self, layers: Sequence[int] | None = None) -> LocalFingerprints:
+        """Every layer with routed-expert tensors when ``layers`` is None."""
+
+
 def _storage_failure(exc: LedgerError) -> str:
     return (
         f"the daemon could not record this request in its expert layout ledger, so it was not "
@@ -41,10 +53,10 @@ def _storage_failure(exc: LedgerError) -> str:
     )
 
 
-# --- the five expert_layout_* requests: one transition each --------------------------------
+# --- the expert_layout_* requests: one transition each ---------------------------------------
 
 
-def _attach(record: LayoutRecord, request: Request) -> Reply:
+def _attach(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
     engine_id = request.get("engine_id")
     with record.lock:  # the reply shows the state this attach left
         record.attach(engine_id)
@@ -53,47 +65,98 @@ def _attach(record: LayoutRecord, request: Request) -> Reply:
     return msg.layout_reply(state.view())
 
 
-def _query(record: LayoutRecord, request: Request) -> Reply:
+def _query(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
     return msg.layout_reply(record.snapshot().view())
 
 
-def _begin(record: LayoutRecord, request: Request) -> Reply:
+def _begin(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
     record.begin(request.get("engine_id"), request.get("base_version"), request.get("layers"))
     return msg.ok_reply()
 
 
-def _commit(record: LayoutRecord, request: Request) -> Reply:
+def _commit(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
     engine_id = request.get("engine_id")
-    version, digest = record.commit(engine_id, request.get("rows"))
+    fingerprints_of = None if content is None else content.fingerprints
+    version, digest = record.commit(engine_id, request.get("rows"), fingerprints_of)
     logger.info("engine %r committed layout version %d", engine_id, version)
+    if record.dirty is not None and record.dirty.content is not None:
+        logger.error("expert layout is now dirty: %s", record.dirty.reason)
     return msg.Committed(version, digest).to_wire()
 
 
-def _abort(record: LayoutRecord, request: Request) -> Reply:
+def _abort(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
     record.abort(request.get("engine_id"))
     return msg.ok_reply()
 
 
+def _content_check(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    if content is None or record.content is None:
+        return msg.refusal_reply(msg.NO_RECORD, NO_CONTENT_RECORD)
+    was_dirty = record.dirty is not None
+    view = record.content_check(_fingerprints(content))
+    if view.dirty and not was_dirty:
+        logger.error("expert layout is now dirty: %s", view.dirty_reason)
+    return msg.content_reply(view)
+
+
+def _repair(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    engine_id = request.get("engine_id")
+    current = None if content is None or record.content is None else _fingerprints(content)
+    version, digest = record.repair(
+        engine_id, request.get("rows"), request.get("fingerprints"), current
+    )
+    logger.warning(
+        "engine %r repaired the expert layout: the weights of the unfinished move's layers were "
+        "recorded as version %d (checked against this daemon's own fingerprints); clean again",
+        engine_id,
+        version,
+    )
+    return msg.Committed(version, digest).to_wire()
+
+
+def _fingerprints(content: ContentSource) -> LocalFingerprints:
+    try:
+        return content.fingerprints()
+    except Exception as exc:  # a device error: answer error, never a wrong verdict
+        raise LedgerError(f"fingerprinting this daemon's slots failed: {exc}") from exc
+
+
 # The requests that name an engine, with the verb of their refusal: the record refuses an
 # engine id a request may not name (``rules.check_request_engine_id``) before the transition.
-NAMES_ENGINE = {msg.ATTACH: "attach", msg.BEGIN: "begin", msg.COMMIT: "commit", msg.ABORT: "abort"}
+NAMES_ENGINE = {
+    msg.ATTACH: "attach",
+    msg.BEGIN: "begin",
+    msg.COMMIT: "commit",
+    msg.ABORT: "abort",
+    msg.REPAIR: "repair",
+}
 
-TRANSITIONS: dict[str, Callable[[LayoutRecord, Request], Reply]] = {
+Transition = Callable[[LayoutRecord, Request, "ContentSource | None"], Reply]
+
+TRANSITIONS: dict[str, Transition] = {
     msg.ATTACH: _attach,
     msg.QUERY: _query,
     msg.BEGIN: _begin,
     msg.COMMIT: _commit,
     msg.ABORT: _abort,
+    msg.CONTENT_CHECK: _content_check,
+    msg.REPAIR: _repair,
 }
-# Without a record, these answer no_record; the others (begin, commit, abort) are refused.
-_NO_RECORD_STATUS = {msg.ATTACH: msg.NO_RECORD, msg.QUERY: msg.NO_RECORD}
+# Without a record, these answer no_record; the others (begin, commit, abort, repair) are
+# refused.
+_NO_RECORD_STATUS = {
+    msg.ATTACH: msg.NO_RECORD,
+    msg.QUERY: msg.NO_RECORD,
+    msg.CONTENT_CHECK: msg.NO_RECORD,
+}
 
 
 class LayoutService:
     """Answers the expert layout requests for one daemon (``record`` is None without a record)."""
 
-    def __init__(self, record: LayoutRecord | None) -> None:
+    def __init__(self, record: LayoutRecord | None, content: ContentSource | None = None) -> None:
         self.record = record
+        self.content = content
 
     def handle(self, request: Request) -> Reply:
         """Answer one request whose ``type`` is in ``protocol.LAYOUT_REQUEST_TYPES``."""
@@ -109,7 +172,7 @@ class LayoutService:
             verb = NAMES_ENGINE.get(str(kind))
             if verb is not None:
                 self.record.check_request_engine_id(verb, request.get("engine_id"))
-            return transition(self.record, request)
+            return transition(self.record, request, self.content)
         except MoveBusy as exc:
             return msg.refusal_reply(msg.BUSY, str(exc))
         except RequestRefused as exc:

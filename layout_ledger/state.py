@@ -25,15 +25,51 @@ def dirty_reason_for(move: PendingMove) -> str:
 
 
 @dataclass(frozen=True)
-class DirtyMark:
-    """Why the layout is unknown: the move that was pending when its engine left."""
+class ContentFinding:
+    """Content that is not what the record says: which layers, at which version, in words."""
 
-    move: PendingMove
+    layers: tuple[int, ...]
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class DirtyMark:
+    """Why the layout is unknown: the move that was pending when its engine left (``move``), or
+    slot content that does not match the record (``content``)."""
+
+    move: PendingMove | None
     at: str
+    content: ContentFinding | None = None
 
     @property
     def reason(self) -> str:
-        return dirty_reason_for(self.move)
+        if self.move is not None:
+            return dirty_reason_for(self.move)
+        if self.content is not None:
+            return self.content.reason
+        return "the layout is unknown"
+
+    @property
+    def repairable(self) -> bool:
+        """An engine left mid-move: the slots may hold whole experts in another layout."""
+        return self.move is not None
+
+    @property
+    def engine_id(self) -> str | None:
+        return None if self.move is None else self.move.engine_id
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        if self.move is not None:
+            return self.move.layers
+        return () if self.content is None else self.content.layers
+
+    @property
+    def base_version(self) -> int | None:
+        if self.move is not None:
+            return self.move.base_version
+        return None if self.content is None else self.content.version
 
 
 @dataclass(frozen=True)

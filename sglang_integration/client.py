@@ -26,9 +26,11 @@ from layout_ledger.protocol import (
     AttachRequest,
     BeginRequest,
     CommitRequest,
+    ContentCheckRequest,
     LayoutRequest,
     Outcome,
     QueryRequest,
+    RepairRequest,
     Reply,
 )
 
@@ -44,7 +46,9 @@ __all__ = [
     "attach",
     "begin",
     "commit",
+    "content_check",
     "query",
+    "repair",
 ]
 
 # Seconds for each connect, send and receive. The daemon serves each connection on its own
@@ -126,6 +130,22 @@ def commit(
 def abort(socket_path: str, engine_id: str, timeout: float = DEFAULT_REQUEST_TIMEOUT) -> Reply:
     """``expert_layout_abort``: drop this engine's pending move without a change."""
     return _request(socket_path, AbortRequest(engine_id), timeout)
+
+
+def content_check(socket_path: str, timeout: float = DEFAULT_REQUEST_TIMEOUT) -> Reply:
+    """``expert_layout_content_check``: an ``ok`` reply has ``content`` (``ContentView``)."""
+    return _request(socket_path, ContentCheckRequest(), timeout)
+
+
+def repair(
+    socket_path: str,
+    engine_id: str,
+    rows: Mapping[int, Sequence[int]],
+    fingerprints: Mapping[int, Sequence[str]],
+    timeout: float = DEFAULT_REQUEST_TIMEOUT,
+) -> Reply:
+    """``expert_layout_repair``: an ``ok`` body has the new version and digest."""
+    return _request(socket_path, RepairRequest(engine_id, rows, fingerprints), timeout)
 
 
 # --- internals -----------------------------------------------------------------------------

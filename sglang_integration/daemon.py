@@ -12,11 +12,12 @@ sglang's module cannot be run with ``runpy``: that would execute a second copy o
 ``weight_cache/daemon.py`` whose ``WeightCacheDaemon`` class is not the hooked one. ``main``
 therefore repeats its ``__main__`` block (daemon.py:889-926) against the imported module.
 
-Ledger flags (each also settable by environment, see ``ledger_paths``):
+Ledger flags (each also settable by environment, see ``ledger_paths`` and ``content_settings``):
   --expert-layout-ledger TEMPLATE     ledger path template with {device_uuid}
   --expert-layout-keep-versions N     history kept per incarnation (rows of the last N versions)
   --expert-layout-prune-every N       prune automatically every N commits
   --expert-layout-request-timeout S   seconds a client has for its request, and for its reply
+  --expert-layout-content-check MODE  enforce (default), warn or off: slot fingerprints
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from sglang_integration import daemon_hooks, ledger_paths
+from sglang_integration import content_settings, daemon_hooks, ledger_paths
 
 
 def add_ledger_args(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +66,14 @@ def add_ledger_args(parser: argparse.ArgumentParser) -> None:
             f"{ledger_paths.REQUEST_TIMEOUT_ENV}; default {ledger_paths.DEFAULT_REQUEST_TIMEOUT:g})"
         ),
     )
+    parser.add_argument(
+        "--expert-layout-content-check",
+        choices=content_settings.CHOICES,
+        default=None,
+        help="fingerprint the expert slots at load and at each commit, and refuse to serve a "
+        "load whose replicas differ (enforce, the default), only log it (warn), or record no "
+        f"fingerprints (off) (env {content_settings.CONTENT_CHECK_ENV})",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -87,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             ledger_args.expert_layout_prune_every,
             ledger_args.expert_layout_request_timeout,
         )
-    except ledger_paths.LedgerSettingError as exc:
+        content_settings.export_content_check(ledger_args.expert_layout_content_check)
+    except (ledger_paths.LedgerSettingError, content_settings.ContentSettingError) as exc:
         ledger_parser.error(str(exc))
     daemon_hooks.install_daemon_hooks()
 

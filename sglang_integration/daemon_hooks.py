@@ -4,11 +4,16 @@ This module is the one place that knows the daemon's internals (``weight_cache/d
 
 - ``WeightCacheDaemon.load`` ends by building the initial expert layout with
   ``_initialize_eplb_expert_location_metadata`` when ``--enable-eplb``
-  (``get_exec().moe.enable_eplb``). ``around_load`` runs the original, then reads that global
-  ``ExpertLocationMetadata.physical_to_logical_map``, opens the daemon's ledger
-  (``ledger_paths``), starts a new incarnation at version 0 and keeps a ``LayoutService`` on the
-  daemon. Without ``--enable-eplb`` (or for a model without routed experts) the service has no
-  record and answers the layout requests with ``no_record``.
+  (``get_exec().moe.enable_eplb``) and keeps the loaded model in ``daemon.model``. ``around_load``
+  runs the original, then reads that global ``ExpertLocationMetadata.physical_to_logical_map``,
+  fingerprints the daemon's local slots of ``daemon.model.routed_experts_weights_of_layer`` (the
+  rank's first slot is ``moe_ep_rank * num_local_physical_experts``; not with the content check
+  off, ``content_settings``), opens the daemon's ledger (``ledger_paths``), starts a new
+  incarnation at version 0 with those fingerprints, checks that replicas hold the same bytes
+  (``LayoutRecord.check_loaded_content``) and keeps a ``LayoutService`` on the daemon, whose
+  content source fingerprints the same tensors again at each commit, content check and repair.
+  Without ``--enable-eplb`` (or for a model without routed experts) the service has no record and
+  answers the layout requests with ``no_record``.
 - ``WeightCacheDaemon.serve`` binds its socket, ``listen(8)``\\ s, accepts connections one at a
   time, gives each a 30 s timeout, calls ``_handle_connection(conn)`` and always
   ``conn.close()``\\ s it after, logging (never raising) any exception. ``around_serve`` runs it
@@ -24,7 +29,7 @@ This module is the one place that knows the daemon's internals (``weight_cache/d
   served as follows. The request is read through sglang's own ``recv_msg`` while keeping the
   frame's bytes, then:
 
-  * the five ``expert_layout_*`` types go to the service; an ``ok`` attach hands a duplicate of
+  * the seven ``expert_layout_*`` types go to the service; an ``ok`` attach hands a duplicate of
     the connection to the ``AttachWatcher`` before the reply is sent, so the connection outlives
     serve's ``conn.close()`` and its EOF detaches the engine;
   * ``fetch_state`` whose config matches (the same ``CacheConfig.from_dict`` / ``matches`` test
@@ -70,6 +75,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from layout_ledger import protocol
+from layout_ledger.content import LocalFingerprints
 from layout_ledger.errors import LedgerError
 from layout_ledger.layout import Geometry, Map
 from layout_ledger.ledger import Ledger, Retention
@@ -79,6 +85,8 @@ from layout_ledger.service import LayoutService
 from sglang_integration import ledger_paths
 from sglang_integration.attach_watcher import AttachWatcher, WatcherStopped
 from sglang_integration.bounded_connections import BoundedConnection, ConnectionThreads
+from sglang_integration.content_settings import ContentCheck, content_check
+from sglang_integration.slot_content import ModelSlots, model_slots
 
 logger = logging.getLogger(__name__)
 
@@ -162,9 +170,10 @@ def open_ledger_record(
     config_fingerprint: str,
     daemon_label: str,
     origin: IncarnationOrigin | None = None,
+    content: LocalFingerprints | None = None,
 ) -> tuple[Ledger, LayoutRecord]:
     """Open the ledger (one writer) and start a new incarnation at version 0, recording where
-    it runs (``origin``)."""
+    it runs (``origin``) and the slots' fingerprints (when the daemon records them)."""
     ledger = Ledger.open(path, retention)
     try:
         record = ledger.start_incarnation(
@@ -173,11 +182,39 @@ def open_ledger_record(
             config_fingerprint=config_fingerprint,
             daemon_label=daemon_label,
             origin=origin,
+            content=content,
         )
     except BaseException:
         ledger.close()
         raise
     return ledger, record
+
+
+def loaded_fingerprints(slots: ModelSlots | None, mode: ContentCheck) -> LocalFingerprints | None:
+    """The local slots' fingerprints at load (None: content check off, or no tensors)."""
+    if slots is None or mode is ContentCheck.OFF:
+        return None
+    local = slots.fingerprints()
+    logger.info(
+        "fingerprinted %d local slots (from slot %d) of %d layers at load",
+        slots.num_slots,
+        slots.first_slot,
+        len(local.layers),
+    )
+    return local
+
+
+def check_loaded_content(record: LayoutRecord, mode: ContentCheck) -> None:
+    """Replicas must hold the same bytes; ``enforce`` marks the daemon dirty when they do not."""
+    problem = record.check_loaded_content(enforce=mode is ContentCheck.ENFORCE)
+    if problem is None:
+        return
+    if mode is ContentCheck.ENFORCE:
+        logger.error(
+            "expert layout is dirty from the start, fetch_state and begin are refused: %s", problem
+        )
+    else:
+        logger.warning("%s (content check warn: serving anyway)", problem)
 
 
 def set_daemon_layout(
@@ -244,33 +281,50 @@ def around_load(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwar
     request_timeout = ledger_paths.request_timeout_from_env()  # a bad setting fails first
     result = original_fn(daemon, *args, **kwargs)
     try:
-        ledger, record = _open_record_after_load(daemon)
+        ledger, record, slots = _open_record_after_load(daemon)
     except LedgerError as exc:
         # One line, no traceback: the daemon cannot keep a record it trusts, so it stops.
         logger.error("the expert layout ledger cannot be opened, the daemon stops: %s", exc)
         raise SystemExit(2) from None
-    set_daemon_layout(daemon, LayoutService(record), ledger, request_timeout)
+    set_daemon_layout(daemon, LayoutService(record, slots), ledger, request_timeout)
     return result
 
 
-def _open_record_after_load(daemon: Any) -> tuple[Ledger | None, LayoutRecord | None]:
+def _daemon_slots(daemon: Any, metadata: Any, mode: ContentCheck) -> ModelSlots | None:
+    """The loaded model's local slots (this daemon's EP rank), unless the check is off."""
+    if mode is ContentCheck.OFF:
+        return None
+    if getattr(daemon.model, "routed_experts_weights_of_layer", None) is None:
+        logger.warning("the loaded model has no routed_experts_weights_of_layer: no fingerprints")
+        return None
+    from sglang.srt.runtime_context import get_parallel
+
+    local = int(metadata.num_local_physical_experts)
+    return model_slots(daemon.model, get_parallel().moe_ep_rank * local, local)
+
+
+def _open_record_after_load(
+    daemon: Any,
+) -> tuple[Ledger | None, LayoutRecord | None, ModelSlots | None]:
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
     from sglang.srt.platforms import current_platform
     from sglang.srt.runtime_context import get_exec
 
     if not get_exec().moe.enable_eplb:
         logger.info("started without --enable-eplb: this daemon keeps no expert layout record")
-        return None, None
+        return None, None, None
     metadata = get_global_expert_location_metadata()
     if metadata is None:
         logger.info("the model has no routed experts: this daemon keeps no expert layout record")
-        return None, None
+        return None, None, None
     initial_map: Map = metadata.physical_to_logical_map.cpu().tolist()
     geometry = Geometry(
         num_layers=int(metadata.num_layers),
         num_physical_slots=int(metadata.num_physical_experts),
         num_logical_experts=int(metadata.num_logical_experts),
     )
+    mode = content_check()
+    slots = _daemon_slots(daemon, metadata, mode)
     device_uuid = current_platform.get_device_uuid(daemon.gpu_id)
     path = ledger_paths.prepare_ledger_path(device_uuid)
     ledger, record = open_ledger_record(
@@ -284,8 +338,10 @@ def _open_record_after_load(daemon: Any) -> tuple[Ledger | None, LayoutRecord | 
             f"pp_rank={daemon.pp_rank} socket={daemon.socket_path}"
         ),
         origin=daemon_origin(daemon, device_uuid),
+        content=loaded_fingerprints(slots, mode),
     )
-    return ledger, record
+    check_loaded_content(record, mode)
+    return ledger, record, slots if record.content is not None else None
 
 
 def daemon_origin(daemon: Any, device_uuid: str | None) -> IncarnationOrigin:

@@ -21,9 +21,14 @@ metadata, on every rank of the engine:
    the attach connection open for the engine's lifetime (module state holds it);
 3. if another engine's move is pending there, it polls ``expert_layout_query`` until the move
    ends, for at most ``SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT`` seconds (default 300);
-4. the ranks all-gather what they found over the world CPU group and all compute the same
-   ``layout_ledger.agreement.decide``;
-5. adopt the daemons' map (``expert_metadata.adopt_map``, one log line naming the version), keep
+4. with the content check on (``content_settings``), it asks its daemon for its slots' content
+   (``startup_content.read_content``);
+5. the ranks all-gather what they found over the world CPU group and all compute the same
+   ``layout_ledger.agreement.decide``, then ``startup_content.settle``: daemons an engine left
+   mid-move are repaired when their slots hold whole experts of a valid layout (one more
+   all-gather, of the repair replies), and every expert's expected fingerprint is kept for the
+   check after the weights are loaded (``loaded_content``);
+6. adopt the daemons' map (``expert_metadata.adopt_map``, one log line naming the version), keep
    the initial layout, or raise ``ExpertLayoutStartupError`` with the reason on every rank.
 
 Dense models (no metadata), draft workers and the weight cache off: the original, untouched.
@@ -50,6 +55,7 @@ from typing import Any
 
 from layout_ledger.agreement import (
     AdoptLayout,
+    Decision,
     ExpertLayoutStartupError,
     FailStartup,
     FindingKind,
@@ -58,9 +64,12 @@ from layout_ledger.agreement import (
     decide,
     finding_from_layout,
 )
+from layout_ledger.content import ExpertContents
 from layout_ledger.layout import layout_digest
 from layout_ledger.protocol import LayoutView, Outcome
 from sglang_integration import client
+from sglang_integration.content_settings import content_check
+from sglang_integration.startup_content import StartupRank, read_content, settle
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +100,11 @@ class EngineLayoutSession:
     attachment: client.Attachment | None
     version: int
     digest: str
+    # What every logical expert's slot must hold (None: no content check, see startup_content),
+    # and this rank's local physical slots, for the check after the weights are loaded.
+    expected_content: ExpertContents | None = None
+    first_slot: int = 0
+    num_local_slots: int = 0
 
     @property
     def attached(self) -> bool:
@@ -141,51 +155,80 @@ def around_maybe_init_expert_location_metadata(
 def start_from_daemon_layout(
     *, model_config: Any, metadata: Any, moe_ep_rank: int, socket_path: str
 ) -> EngineLayoutSession:
-    """Steps 1-5 of the module docstring for this rank; a collective over the world group."""
-    from sglang_integration.expert_metadata import adopt_map, map_of
+    """Steps 1-6 of the module docstring for this rank; a collective over the world group."""
+    from sglang_integration.expert_metadata import map_of
 
     world = _world_group()
     rank = world.rank_in_group
     engine_id = _shared_engine_id(world)
-    initial_digest = layout_digest(map_of(metadata))
+    initial_map = map_of(metadata)
+    initial_digest = layout_digest(initial_map)
+    this = StartupRank(
+        rank=rank,
+        socket_path=socket_path,
+        engine_id=engine_id,
+        mode=content_check(),
+        initial_map=initial_map,
+        engine_shape=_engine_shape(metadata),
+    )
     finding, attachment = read_daemon(
         socket_path, engine_id, rank=rank, initial_digest=initial_digest
     )
-    findings = world.all_gather_object(finding)
-    decision = decide(findings)
+    content = read_content(socket_path, finding, rank=rank, mode=this.mode)
+    gathered = world.all_gather_object((finding, content))
+    findings = [each for each, _ in gathered]
     try:
-        if isinstance(decision, FailStartup):
-            raise ExpertLayoutStartupError(decision.reason)
-        if isinstance(decision, AdoptLayout):
-            changed = adopt_map(
-                model_config, decision.physical_to_logical_map, moe_ep_rank, metadata
-            )
-            logger.info(
-                "Routing with the weight cache daemon's expert layout at version %d "
-                "(digest %s, %s the engine's initial layout)",
-                decision.version,
-                decision.digest[:12],
-                "replacing" if changed else "equal to",
-            )
-            version, digest = decision.version, decision.digest
-        else:
-            _log_kept_initial(decision, rank)
-            version, digest = 0, initial_digest
+        decision, expected = settle(
+            world, decide(findings), findings, [each for _, each in gathered], this
+        )
+        version, digest = _apply(decision, model_config, metadata, moe_ep_rank, initial_digest)
     except BaseException:
         if attachment is not None:
             attachment.close()
         raise
+    local = int(metadata.num_local_physical_experts)
     session = EngineLayoutSession(
         engine_id=engine_id,
         rank=rank,
         socket_path=socket_path,
-        finding=finding.kind,
+        # a repaired daemon keeps a clean record again
+        finding=FindingKind.RECORD if finding.kind is FindingKind.DIRTY else finding.kind,
         attachment=attachment if attachment is not None and attachment.is_open else None,
         version=version,
         digest=digest,
+        expected_content=expected,
+        first_slot=moe_ep_rank * local,
+        num_local_slots=local,
     )
     _ThisRank.session = session
     return session
+
+
+def _apply(
+    decision: Decision, model_config: Any, metadata: Any, moe_ep_rank: int, initial_digest: str
+) -> tuple[int, str]:
+    """Act on the decision on this rank: raise, adopt the map or keep the initial one."""
+    from sglang_integration.expert_metadata import adopt_map
+
+    if isinstance(decision, FailStartup):
+        raise ExpertLayoutStartupError(decision.reason)
+    if isinstance(decision, AdoptLayout):
+        changed = adopt_map(model_config, decision.physical_to_logical_map, moe_ep_rank, metadata)
+        logger.info(
+            "Routing with the weight cache daemon's expert layout at version %d "
+            "(digest %s, %s the engine's initial layout)",
+            decision.version,
+            decision.digest[:12],
+            "replacing" if changed else "equal to",
+        )
+        return decision.version, decision.digest
+    _log_kept_initial(decision, _world_group().rank_in_group)
+    return 0, initial_digest
+
+
+def _engine_shape(metadata: Any) -> tuple[int, int, int]:
+    shape = tuple(metadata.physical_to_logical_map_cpu.shape)
+    return int(shape[0]), int(shape[1]), int(metadata.num_logical_experts)
 
 
 def read_daemon(

@@ -5,6 +5,8 @@ and :1159, scheduler.py:6323, ...) and then ``HookRegistry.apply_hooks()``. It r
 ``HookType.AROUND``:
 
 - engine startup: ``ModelRunner.maybe_init_expert_location_metadata`` (``engine_startup``);
+- after the weights are loaded: ``ModelRunner.load_model`` (``loaded_content``: every slot holds
+  the expert the layout names);
 - the IPC loader: ``IpcModelLoader._fetch_from_cache`` and its ``send_msg`` / ``recv_msg``
   bindings (``loader_hooks``);
 - rebalancing: ``EPLBManager.rebalance`` (``rebalance``);
@@ -24,7 +26,13 @@ def register() -> None:
     """Register this package's hooks with sglang's ``HookRegistry`` (applied by sglang)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_integration import daemon_hooks, engine_startup, loader_hooks, rebalance
+    from sglang_integration import (
+        daemon_hooks,
+        engine_startup,
+        loaded_content,
+        loader_hooks,
+        rebalance,
+    )
 
     around = HookType.AROUND
     HookRegistry.register(
@@ -32,6 +40,7 @@ def register() -> None:
         engine_startup.around_maybe_init_expert_location_metadata,
         around,
     )
+    HookRegistry.register(loaded_content.HOOK_TARGET, loaded_content.around_load_model, around)
     for target, hook in loader_hooks.HOOKS:
         HookRegistry.register(target, hook, around)
     HookRegistry.register(rebalance.HOOK_TARGET, rebalance.rebalance_around, around)

@@ -130,13 +130,20 @@ def _registration_check(directory: str) -> None:
 def test_importing_the_plugin_registers_nothing_and_register_declares_every_hook(
     tmp_path: Path,
 ) -> None:
-    from sglang_integration import daemon_hooks, engine_startup, loader_hooks, rebalance
+    from sglang_integration import (
+        daemon_hooks,
+        engine_startup,
+        loaded_content,
+        loader_hooks,
+        rebalance,
+    )
 
     result = run_isolated(_registration_check, tmp_path)
     assert result["after_import"] == []
     assert "expert_layout_ledger=sglang_integration.plugin:register" in result["entry_points"]
     assert result["registered"] == {
         engine_startup.HOOK_TARGET: [["around", "around_maybe_init_expert_location_metadata"]],
+        loaded_content.HOOK_TARGET: [["around", "around_load_model"]],
         loader_hooks.FETCH_TARGET: [["around", "around_fetch_from_cache"]],
         loader_hooks.SEND_TARGET: [["around", "around_send_msg"]],
         loader_hooks.RECV_TARGET: [["around", "around_recv_msg"]],

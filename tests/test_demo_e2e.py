@@ -1,4 +1,4 @@
-"""A reduced run of the CPU end-to-end demo (``scripts/demo.py``): the same three cases and the
+"""A reduced run of the CPU end-to-end demo (``scripts/demo.py``): the same four cases and the
 forensics, with fewer rebalances, through the same code (``scripts/demo_cases``): real
 model-less daemons with ledgers, engines of 2 gloo rank processes running sglang's real startup
 method, ``EPLBManager`` and ``ExpertLocationUpdater`` through the plugin's real hooks,
@@ -107,6 +107,27 @@ def test_the_ledger_names_the_engine_that_left_the_daemon_dirty(
     sql, _, rows = run.query
     assert sql.startswith("-- forensic: dirty")
     assert len(rows) == 1
+
+
+@pytest.mark.timeout(240)
+def test_the_next_engine_repairs_daemons_left_mid_move_without_a_restart_every_slot_right(
+    demo: tuple[DemoRun, Workspace],
+) -> None:
+    case = _case(demo[0], "Case 4: ")
+    _assert_every_check_holds(case)
+    checks = {check.what: check.measured for check in case.checks}
+    assert checks["B: slots holding the expert B's map names"] == f"{CONFIG.all_slots}/96"
+    assert checks["daemons not restarted (same processes)"] == "both: yes"
+
+
+@pytest.mark.timeout(240)
+def test_a_half_written_slot_and_an_unfilled_replica_are_refused_naming_their_slots(
+    demo: tuple[DemoRun, Workspace],
+) -> None:
+    case = _case(demo[0], "Case 4 (b)")
+    _assert_every_check_holds(case)
+    assert any("holds partial: parts 0-1 of expert" in note for note in case.notes)
+    assert any("slot 10 zero-filled" in note for note in case.notes)
 
 
 @pytest.mark.timeout(240)

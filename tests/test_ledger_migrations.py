@@ -27,6 +27,7 @@ VIEWS = {
     "ledger_current_layout",
     "ledger_layout_history",
     "ledger_attachments",
+    "ledger_slot_fingerprints",
 }
 
 

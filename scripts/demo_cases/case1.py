@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from demo_cases.results import CaseResult, both, per_rank, slots, yes
-from demo_cases.workspace import Workspace, held_map, matching, query_daemons, wait_for_daemons
+from demo_cases.workspace import (
+    Workspace,
+    content_checks,
+    held_map,
+    matching,
+    query_daemons,
+    wait_for_daemons,
+)
 from layout_ledger.layout import Map, layout_digest
 
 
@@ -22,8 +29,8 @@ def run_case1(workspace: Workspace) -> CaseResult:
     result = CaseResult("Case 1: restart on the same daemons (plugin on)")
     started = time.monotonic()
     versions = config.case1_rebalances * config.chunks_per_rebalance
-    daemons = workspace.daemons("case1")
     expert_dir = workspace.experts("case1")
+    daemons = workspace.daemons("case1", experts=expert_dir)
     a_reports, layouts = _engine_a_rebalances(workspace, result, daemons, expert_dir)
     b_reports = _engine_b_adopts(workspace, result, daemons, expert_dir, a_reports[0]["map"])
     result.facts.update(
@@ -84,6 +91,16 @@ def _engine_a_rebalances(
         per_rank(layout.version for layout in layouts),
         all(layout.version == versions for layout in layouts),
     )
+    prints = content_checks(daemons)
+    result.check(
+        "daemons' fingerprints at commit = the slots' bytes now",
+        both(
+            f"{config.all_slots // config.ep_size}/{config.all_slots // config.ep_size}",
+            config.ep_size,
+        ),
+        per_rank(prints),
+        all(text.split("/")[0] == text.split("/")[1] for text in prints),
+    )
     result.check(
         "daemons' map = A's last map; digest = sha256 of it",
         both("yes", config.ep_size),
@@ -132,6 +149,13 @@ def _engine_b_adopts(
         slots(b_correct, config),
         b_correct == config.all_slots,
     )
+    checked = [any(line.startswith(LOADED_CHECK) for _, line in r["logs"]) for r in b_reports]
+    result.check(
+        "B: each loaded slot's fingerprint = its expert's",
+        both("yes", config.ep_size),
+        per_rank(yes(value) for value in checked),
+        all(checked),
+    )
     held = held_map(expert_dir)
     result.check(
         "B: the same, read from shared memory by this process",
@@ -143,6 +167,9 @@ def _engine_b_adopts(
     if line:
         result.notes.append(f"B's startup log (rank 0): {line}")
     return b_reports
+
+
+LOADED_CHECK = "Every loaded expert slot holds the expert the layout names"
 
 
 def startup_line(report: dict[str, Any]) -> str | None:

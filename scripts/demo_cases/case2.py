@@ -19,8 +19,8 @@ def run_case2(workspace: Workspace) -> CaseResult:
     result = CaseResult("Case 2: a warm standby pauses rebalancing")
     started = time.monotonic()
     alone = config.case2_rebalances[0]
-    daemons = workspace.daemons("case2")
     expert_dir = workspace.experts("case2")
+    daemons = workspace.daemons("case2", experts=expert_dir)
     engine_a = workspace.launch("case2", "A", daemons, expert_dir)
     a_reports = engine_a.rebalance(alone)
     v1 = alone * config.chunks_per_rebalance

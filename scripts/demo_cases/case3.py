@@ -14,11 +14,15 @@ from demo_cases.results import CaseResult, both, per_rank, slots
 from demo_cases.workspace import Workspace, held_map, matching, query_daemons, wait_for_daemons
 from layout_ledger.layout import Map
 
+# Engine B of (b) starts as engines did before content checks: it does not repair (case 4 does).
+CONTENT_CHECK_OFF = (("SGLANG_EXPERT_LAYOUT_CONTENT_CHECK", "off"),)
 
-def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any]]:
+
+def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any], Path]:
     """SIGKILL between chunks, then (fresh daemons) SIGKILL mid-move after begin.
 
-    Returns the result and the second pair of daemons, still running and dirty, for forensics.
+    Returns the result and the second pair of daemons, still running and dirty (for the
+    forensics and case 4), and their experts.
     """
     config = workspace.config
     result = CaseResult("Case 3: SIGKILL during a rebalance")
@@ -32,7 +36,7 @@ def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any]]:
     result.facts.update(committed=committed, engine_a=a_id, base=base, layers=_first_chunk(config))
     result.facts["commands"] = [fleet]
     result.seconds = time.monotonic() - started
-    return result, daemons
+    return result, daemons, expert_dir
 
 
 def _first_chunk(config: DemoConfig) -> list[int]:
@@ -46,8 +50,8 @@ def _kill_between_chunks(workspace: Workspace, result: CaseResult) -> int:
     k = config.case3_rebalances_before_kill
     chunks = config.chunks_per_rebalance
     first_chunk = _first_chunk(config)
-    daemons = workspace.daemons("case3-between-chunks")
     expert_dir = workspace.experts("case3-between-chunks")
+    daemons = workspace.daemons("case3-between-chunks", experts=expert_dir)
     engine_a = workspace.launch("case3-between-chunks", "A", daemons, expert_dir)
     stopped = engine_a.stop_between_chunks(k)
     committed = k * chunks + 1
@@ -102,8 +106,8 @@ def _kill_in_move(workspace: Workspace, result: CaseResult) -> tuple[list[Any], 
     k = config.case3_rebalances_before_kill
     chunks = config.chunks_per_rebalance
     first_chunk = _first_chunk(config)
-    daemons = workspace.daemons("case3-in-move")
     expert_dir = workspace.experts("case3-in-move")
+    daemons = workspace.daemons("case3-in-move", experts=expert_dir)
     engine_a = workspace.launch("case3-in-move", "A", daemons, expert_dir)
     base = k * chunks
     engine_a.stop_in_move(k)
@@ -151,14 +155,15 @@ def _kill_in_move(workspace: Workspace, result: CaseResult) -> tuple[list[Any], 
 def _engine_b_refuses(
     workspace: Workspace, result: CaseResult, daemons: list[Any], expert_dir: Path, a_id: Any
 ) -> None:
-    """(b) B refuses to start on the dirty daemons, with a reason naming A, layers and base."""
+    """(b) B, with the content check off (so no repair: as before case 4), refuses to start on
+    the dirty daemons, with a reason naming A, layers and base."""
     config = workspace.config
     base = config.case3_rebalances_before_kill * config.chunks_per_rebalance
     first_chunk = _first_chunk(config)
-    engine_b = workspace.launch("case3-in-move", "B", daemons, expert_dir)
+    engine_b = workspace.launch("case3-in-move", "B", daemons, expert_dir, env=CONTENT_CHECK_OFF)
     refusals = engine_b.failed
     result.check(
-        "(b) B refuses to start (ExpertLayoutStartupError)",
+        "(b) B (content check off: no repair) refuses to start",
         both("refused", config.ep_size),
         per_rank(
             "refused" if r["error_type"] == "ExpertLayoutStartupError" else r["error_type"]

@@ -1,4 +1,5 @@
-"""The whole demo: every case in order, then the forensics."""
+"""The whole demo: cases 1-3, the forensics of case 3 (b)'s dirty ledger, then case 4 on the
+same daemons."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from demo_cases.case1 import run_case1, run_case1_without_plugin
 from demo_cases.case2 import run_case2
 from demo_cases.case3 import run_case3
+from demo_cases.case4 import run_case4
 from demo_cases.config import DemoConfig
 from demo_cases.forensics import CommandOutput, run_forensics
 from demo_cases.results import CaseResult, Check
@@ -49,9 +51,12 @@ def run_demo(
     case1 = done(run_case1(workspace))
     done(run_case1_without_plugin(workspace, case1.facts.get("a_map")))
     done(run_case2(workspace))
-    case3, dirty_daemons = run_case3(workspace)
+    case3, dirty_daemons, dirty_experts = run_case3(workspace)
     done(case3)
     forensics, run.commands, run.query = run_forensics(dirty_daemons[0].ledger_path, readme, case3)
     forensics.facts.update(commands=run.commands, query=run.query)
     done(forensics)
+    repaired, refused = run_case4(workspace, dirty_daemons, dirty_experts, case3)
+    done(repaired)
+    done(refused)
     return run

@@ -79,8 +79,16 @@ class Workspace:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def daemons(self, case: str, record: str = "ledger") -> list[Any]:
-        """One model-less daemon per EP rank, serving when this returns.
+    def daemons(
+        self,
+        case: str,
+        record: str = "ledger",
+        experts: Path | None = None,
+        count: int | None = None,
+    ) -> list[Any]:
+        """One model-less daemon per EP rank (``count`` of them: ranks 0..count-1), serving when
+        this returns; with ``experts``, each serves (and fingerprints) its rank's expert files
+        there (``--experts``).
 
         As ``daemon_control.start_daemon`` starts them, except that each releases its copy of
         the forkserver's keep-alive pipe first (``release_forkserver``), so that no daemon
@@ -95,7 +103,7 @@ class Workspace:
         config = self.config
         directory = self.case_dir(case)
         started = []
-        for rank in range(config.ep_size):
+        for rank in range(config.ep_size if count is None else count):
             name = f"daemon{rank}"
             socket_path = str(directory / f"{name}.sock")
             ledger = str(directory / f"{name}.sqlite") if record == "ledger" else None
@@ -107,7 +115,12 @@ class Workspace:
                 num_physical_experts=config.num_physical_slots,
                 record=record,
                 # Which rank each daemon stands in for, recorded in its ledger (fleet's rows).
-                extra=["--tp-rank", str(rank), "--ep-rank", str(rank)] if ledger else [],
+                extra=(["--tp-rank", str(rank), "--ep-rank", str(rank)] if ledger else [])
+                + (
+                    []
+                    if experts is None
+                    else ["--experts", str(experts), "--expert-rank", str(rank)]
+                ),
             )
             daemon = DaemonProcess(socket_path, ledger, str(directory / f"{name}.log"), argv)
             daemon.process = self.context.Process(
@@ -119,8 +132,9 @@ class Workspace:
             started.append(daemon)
         return started
 
-    def experts(self, case: str) -> Path:
-        """New shared-memory experts in the daemons' initial layout (a daemon's fresh load)."""
+    def experts(self, case: str, ep_size: int | None = None) -> Path:
+        """New shared-memory experts in the daemons' initial layout (a daemon's fresh load), of
+        ``ep_size`` ranks (the config's by default)."""
         from harness.shared_experts import (
             ExpertTensorShape,
             create_shared_experts,
@@ -128,10 +142,11 @@ class Workspace:
 
         config = self.config
         directory = self.shm_root / case
+        ranks = config.ep_size if ep_size is None else ep_size
         shape = ExpertTensorShape(
-            config.num_layers, config.num_logical_experts, config.num_physical_slots, config.ep_size
+            config.num_layers, config.num_logical_experts, config.num_physical_slots, ranks
         )
-        for rank in range(config.ep_size):
+        for rank in range(ranks):
             create_shared_experts(directory, rank, shape, config.initial_map())
         return directory
 
@@ -143,6 +158,7 @@ class Workspace:
         expert_dir: Path,
         *,
         plugin: bool = True,
+        env: tuple[tuple[str, str], ...] = (),
     ) -> CpuEngine:
         spec = EngineSpec(
             name=name,
@@ -155,6 +171,7 @@ class Workspace:
             plugin=plugin,
             load_seed=self.config.load_seed,
             log_dir=str(self.case_dir(case)),
+            env=env,
         )
         engine = CpuEngine.launch(spec, self.context)
         self._engines.append(engine)
@@ -262,6 +279,26 @@ def wait_for_daemons(
         if time.monotonic() > deadline:
             raise TimeoutError(f"the daemons did not reach {what} within {DETACH_TIMEOUT} s")
         time.sleep(0.05)
+
+
+def content_checks(daemons: Sequence[Any]) -> list[str]:
+    """Per daemon, ``matching/total``: slots whose fingerprint now is the one it recorded
+    (``expert_layout_content_check``); ``no content`` for a daemon that records none."""
+    from sglang_integration import client
+
+    texts = []
+    for daemon in daemons:
+        content = client.content_check(daemon.socket_path).content
+        if content is None:
+            texts.append("no content")
+            continue
+        pairs = [
+            (a, b)
+            for layer, recorded in content.recorded.items()
+            for a, b in zip(recorded, content.current[layer], strict=True)
+        ]
+        texts.append(f"{sum(a == b for a, b in pairs)}/{len(pairs)}")
+    return texts
 
 
 def held_map(expert_dir: Path) -> Map:

@@ -10,12 +10,14 @@ that imported sglang once (``engine_process_context``). Each rank (``run_engine_
    and sglang's ``HookRegistry.apply_hooks()``, as ``load_plugins()`` does in an engine process;
    without it (the plugin disabled), applies no hook at all;
 3. runs sglang's real ``ModelRunner.maybe_init_expert_location_metadata`` (hooked by the plugin:
-   attach to its daemon, agree over the world group, adopt the daemon's layout or fail) on a
-   namespace holding the three attributes the method and the hook read, because building a real
-   ``ModelRunner`` allocates accelerator memory;
+   attach to its daemon, agree over the world group, repair dirty daemons, adopt the daemon's
+   layout or fail) on a namespace holding the attributes the method and the hooks read, because
+   building a real ``ModelRunner`` allocates accelerator memory;
 4. records that its weights came from the daemon: the IPC loader's ``fetch_state`` maps CUDA IPC
    handles, which a CPU cannot, so the experts are instead the daemon's shared-memory files
    (``shared_experts``), mapped read-write, where an in-place move by one engine is seen by all;
+   the plugin's ``ModelRunner.load_model`` hook runs around that mapping (each slot must hold
+   the expert the map names);
 5. builds sglang's real ``EPLBManager`` with sglang's real ``ExpertLocationUpdater`` (behind
    ``StoppableUpdater``) and ``SyntheticLoadRecorder`` standing in for the expert distribution
    recorder (nothing routes tokens here);
@@ -225,6 +227,7 @@ class EngineSpec:
     plugin: bool = True
     load_seed: int = 11
     log_dir: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # set in each rank's environment before it starts
 
     @property
     def world_size(self) -> int:
@@ -373,6 +376,12 @@ class _EngineRank:
             SyntheticLoadRecorder(shape.num_layers, shape.num_logical_experts, seed=spec.load_seed)
         )
         model = SharedExpertsModel(attach_shared_experts(spec.expert_dir, rank))
+        if spec.plugin:
+            from sglang_integration.loaded_content import around_load_model
+
+            # The plugin's hook on ModelRunner.load_model, around the stand-in for the load: the
+            # experts mapped from shared memory (the IPC loader's zero-copy mapping on a GPU).
+            around_load_model(lambda loaded: setattr(loaded, "model", model), runner)
         updater = StoppableUpdater(ExpertLocationUpdater())
         self.model, self.updater = model, updater
         self.manager = EPLBManager(
@@ -520,6 +529,7 @@ class _RunnerAttributes:
     model_config: Any
     is_draft_worker: bool = False
     gpu_id: int = 0
+    model: Any = None  # set by the load (``load_model``'s stand-in)
 
 
 def _log_to(path: str | None) -> None:
@@ -545,6 +555,7 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     """
     _log_to(spec.log_path(rank))
     os.environ.update(QUIET_SGLANG_ENV)
+    os.environ.update(dict(spec.env))
     from sglang.srt.utils import kill_itself_when_parent_died
 
     # Die with the forkserver, which exits with the process that started it: a rank stopped

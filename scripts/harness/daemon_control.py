@@ -60,6 +60,8 @@ PRELOAD_MODULES = (
     "sglang_integration.client",
     "sglang_integration.daemon_hooks",
     "sglang_integration.testing.daemon",
+    "sglang_integration.testing.expert_files",
+    "sglang_integration.fingerprints",
     "harness.daemon_control",
     # what an engine rank imports (harness.cpu_engine)
     "sglang.srt.model_executor.model_runner",
@@ -74,6 +76,7 @@ PRELOAD_MODULES = (
     "sglang_integration.loader_hooks",
     "sglang_integration.expert_metadata",
     "sglang_integration.rebalance",
+    "sglang_integration.loaded_content",
     "harness.shared_experts",
 )
 

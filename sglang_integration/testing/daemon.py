@@ -1,7 +1,8 @@
 """A model-less weight cache daemon for tests and demos on a CPU.
 
     python -m sglang_integration.testing.daemon --socket PATH --ledger PATH \\
-        --num-layers L --num-logical-experts E --num-physical-experts P [--no-record]
+        --num-layers L --num-logical-experts E --num-physical-experts P [--no-record] \\
+        [--experts DIR --expert-rank R] [--expert-layout-content-check enforce|warn|off]
 
 runs sglang 0.5.23's real ``WeightCacheDaemon.serve`` loop and ``_handle_connection`` with this
 plugin's hooks (``daemon_hooks``), serving no tensors. Its initial layout is sglang's trivial one
@@ -38,6 +39,14 @@ without it, ``SGLANG_EXPERT_LAYOUT_REQUEST_TIMEOUT`` or 5 s, as in a real daemon
 this daemon stands in for: the ledger records them as the incarnation's origin (with the host,
 pid, socket and versions, which it always records); without them they are recorded as unknown,
 since a model-less daemon has no GPU.
+
+Expert content: without ``--experts`` the daemon has no tensors and records no fingerprints (it
+answers the content check ``no_record``). With ``--experts DIR --expert-rank R`` it maps EP rank
+R's expert files (``expert_files``: the format the CPU harness writes, the stand-in for a real
+daemon's CUDA-IPC tensors) and does what a real daemon with a model does: fingerprints its local
+slots at start (version 0) and checks replicas, fingerprints the moved layers at each commit,
+and answers the content check and repairs from them, as ``--expert-layout-content-check`` (or
+``SGLANG_EXPERT_LAYOUT_CONTENT_CHECK``, default enforce) says.
 """
 
 from __future__ import annotations
@@ -57,6 +66,14 @@ from layout_ledger.origin import IncarnationOrigin
 from layout_ledger.record import LayoutRecord
 from layout_ledger.service import LayoutService
 from sglang_integration import ledger_paths
+from sglang_integration.content_settings import (
+    CHOICES,
+    CONTENT_CHECK_ENV,
+    ContentCheck,
+    content_check,
+    parse_content_check,
+)
+from sglang_integration.testing.expert_files import ExpertFilesError
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +106,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--without-plugin",
         action="store_true",
         help="run sglang's daemon with no expert layout hook (sglang 0.5.23's own behaviour)",
+    )
+    parser.add_argument(
+        "--experts",
+        metavar="DIR",
+        help="serve EP rank --expert-rank's expert files in DIR (the format of "
+        "sglang_integration.testing.expert_files) and fingerprint them",
+    )
+    parser.add_argument("--expert-rank", type=int, default=0, metavar="R")
+    parser.add_argument(
+        "--expert-layout-content-check",
+        choices=CHOICES,
+        default=None,
+        help=f"enforce, warn or off (default: {CONTENT_CHECK_ENV}, else enforce)",
     )
     parser.add_argument("--keep-versions", type=int, default=DEFAULT_KEEP_VERSIONS)
     parser.add_argument("--prune-every", type=int, default=DEFAULT_PRUNE_EVERY)
@@ -196,16 +226,30 @@ def build_model_less_daemon(socket_path: str, cache_config: dict[str, Any]) -> A
 def open_layout_service(
     args: argparse.Namespace, geometry: Geometry, cache_config: dict[str, Any]
 ) -> tuple[LayoutService, Ledger | None]:
-    """The daemon's record as ``--no-record`` / ``--in-memory`` / ``--ledger`` ask."""
-    from sglang_integration.daemon_hooks import config_fingerprint, open_ledger_record
+    """The daemon's record as ``--no-record`` / ``--in-memory`` / ``--ledger`` ask, with the
+    expert files' content when ``--experts`` names them."""
+    from sglang_integration.daemon_hooks import (
+        check_loaded_content,
+        config_fingerprint,
+        loaded_fingerprints,
+        open_ledger_record,
+    )
+    from sglang_integration.testing.expert_files import expert_file_slots
 
     if args.no_record:
         return LayoutService(None), None
     initial_map = trivial_map(
         geometry.num_layers, geometry.num_physical_slots, geometry.num_logical_experts
     )
+    mode = content_mode(args)
+    slots = None
+    if args.experts and mode is not ContentCheck.OFF:
+        slots = expert_file_slots(args.experts, args.expert_rank, geometry)
+    content = loaded_fingerprints(slots, mode)
     if args.in_memory:
-        return LayoutService(LayoutRecord.in_memory(geometry, initial_map)), None
+        record = LayoutRecord.in_memory(geometry, initial_map, content=content)
+        check_loaded_content(record, mode)
+        return LayoutService(record, slots), None
     ledger, record = open_ledger_record(
         args.ledger,
         geometry,
@@ -221,8 +265,16 @@ def open_layout_service(
             ep_rank=args.ep_rank,
             socket_path=args.socket,
         ),
+        content=content,
     )
-    return LayoutService(record), ledger
+    check_loaded_content(record, mode)
+    return LayoutService(record, slots), ledger
+
+
+def content_mode(args: argparse.Namespace) -> ContentCheck:
+    if args.expert_layout_content_check is not None:
+        return parse_content_check(args.expert_layout_content_check)
+    return content_check()
 
 
 def remove_stale_socket(socket_path: str) -> None:
@@ -267,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             service, ledger = open_layout_service(args, geometry, cache_config)
         except LedgerError as exc:
             logger.error("cannot open the expert layout ledger: %s", exc)
+            return 2
+        except ExpertFilesError as exc:
+            logger.error("cannot serve the expert files: %s", exc)
             return 2
         set_daemon_layout(daemon, service, ledger, args.request_timeout)
     try:

@@ -1,0 +1,155 @@
+"""The engine ranks' content decisions (``layout_ledger.content_agreement``), as pure functions.
+
+Two EP ranks of 6 slots each (8 experts, slots 8-11 replicate 0-3). Each rank's daemon answered
+the content check with a ``ContentView``; the decisions must name what stops a repair or a start.
+"""
+
+from __future__ import annotations
+
+import pytest
+from content_support import Slots, expert_fingerprint, half_and_half
+
+from layout_ledger.agreement import FailStartup, FindingKind, RankFinding
+from layout_ledger.content import ExpertContents
+from layout_ledger.content_agreement import (
+    ContentKind,
+    NoContentCheck,
+    RankContent,
+    RepairPlan,
+    expected_contents,
+    loaded_slot_problems,
+    plan_repair,
+)
+from layout_ledger.layout import layout_digest, trivial_map
+from layout_ledger.protocol import ContentView, PendingMove
+
+LAYERS, SLOTS, EXPERTS = 4, 12, 8
+BASE = trivial_map(LAYERS, SLOTS, EXPERTS)
+MOVE = PendingMove("engine-A", (0, 1), 3)
+FAILED = FailStartup("a daemon is dirty.")
+SHAPE = (LAYERS, SLOTS, EXPERTS)
+
+
+def _world() -> list[Slots]:
+    return [Slots(BASE, 0, 6), Slots(BASE, 6, 6)]
+
+
+def _view(slots: Slots, *, dirty_move: PendingMove | None = MOVE, reason: str = "x") -> ContentView:
+    recorded = Slots(BASE, slots.first_slot, 6).fingerprints()
+    return ContentView(
+        version=3,
+        digest=layout_digest(BASE),
+        physical_to_logical_map=BASE,
+        first_slot=slots.first_slot,
+        recorded=dict(recorded.layers),
+        current=dict(slots.fingerprints().layers),
+        dirty=True,
+        dirty_reason=reason,
+        dirty_move=dirty_move,
+        pending=None,
+    )
+
+
+def _findings(kinds=(FindingKind.DIRTY, FindingKind.DIRTY)) -> list[RankFinding]:
+    return [RankFinding(rank, kind, f"d{rank}.sock", "x") for rank, kind in enumerate(kinds)]
+
+
+def _contents(world: list[Slots], **view_args) -> list[RankContent]:
+    return [
+        RankContent(rank, ContentKind.CONTENT, view=_view(slots, **view_args))
+        for rank, slots in enumerate(world)
+    ]
+
+
+def test_a_repair_records_what_the_pending_layers_hold_and_leaves_the_others():
+    world = _world()
+    world[0].move(0, 1, 3)
+    world[1].move(0, 9, 1)  # layer 0: slot 1 holds expert 3, slot 9 expert 1 (a swap)
+    plan = plan_repair(_findings(), _contents(world), FAILED, SHAPE)
+    assert isinstance(plan, RepairPlan)
+    expected_row = list(BASE[0])
+    expected_row[1], expected_row[9] = 3, 1
+    assert plan.rows == {0: expected_row, 1: list(BASE[1])}
+    assert plan.physical_to_logical_map[0] == expected_row
+    assert plan.physical_to_logical_map[2:] == BASE[2:]
+    assert (plan.base_version, plan.layers, plan.mover) == (3, (0, 1), "engine-A")
+    assert plan.fingerprints[1][0] == list(world[1].held[0])
+    assert plan.digest == layout_digest(plan.physical_to_logical_map)
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (
+            lambda w: w[0].put(1, 2, half_and_half(1, 6, 2)),
+            "rank 0 layer 1 slot 2 holds partial: parts 0-1 of expert 6, parts 2-3 of expert 2",
+        ),
+        (lambda w: w[1].zero(0, 7), "rank 1 layer 0 slot 7 holds zero-filled"),
+        (lambda w: w[1].put(0, 8, "ab" * 32), "rank 1 layer 0 slot 8 holds unknown content"),
+        (lambda w: w[0].move(1, 5, 0), "layer 1 would hold no copy of experts [5]"),
+        (lambda w: w[1].move(3, 6, 0), "content outside the pending layers moved: rank 1 layer 3"),
+    ],
+)
+def test_no_repair_names_the_slots_whose_content_is_not_a_valid_layout(damage, named):
+    world = _world()
+    damage(world)
+    result = plan_repair(_findings(), _contents(world), FAILED, SHAPE)
+    assert isinstance(result, FailStartup)
+    assert result.reason.startswith("a daemon is dirty. No repair is possible: ")
+    assert named in result.reason
+
+
+def test_no_repair_unless_every_daemon_was_left_by_the_same_unfinished_move():
+    world = _world()
+    mixed = plan_repair(
+        _findings((FindingKind.DIRTY, FindingKind.RECORD)), _contents(world), FAILED, SHAPE
+    )
+    assert "not every daemon is dirty from the same unfinished move" in mixed.reason
+    contents = _contents(world)
+    contents[1] = RankContent(1, ContentKind.CONTENT, view=_view(world[1], dirty_move=None))
+    other_cause = plan_repair(_findings(), contents, FAILED, SHAPE)
+    assert "dirty for another cause than an unfinished move (rank 1: x)" in other_cause.reason
+    older = [contents[0], RankContent(1, ContentKind.OLDER_DAEMON, "Unknown request type")]
+    assert (
+        "cannot show their slots' content" in plan_repair(_findings(), older, FAILED, SHAPE).reason
+    )
+    clean = plan_repair(_findings((FindingKind.STUCK, FindingKind.RECORD)), contents, FAILED, SHAPE)
+    assert clean is FAILED
+    narrower = plan_repair(_findings(), _contents(world), FAILED, (LAYERS, SLOTS - 2, EXPERTS))
+    assert "does not have this engine's shape" in narrower.reason
+
+
+def test_expected_contents_learns_every_expert_from_every_daemon_and_flags_conflicts():
+    world = _world()
+    known = expected_contents(_contents(world), BASE)
+    assert isinstance(known, ExpertContents)
+    assert known.fingerprint_of(2, 7) == expert_fingerprint(2, 7)  # only rank 1 holds expert 7
+    contents = _contents(world)
+    view = contents[1].view
+    assert view is not None
+    recorded = dict(view.recorded)
+    recorded[2] = (expert_fingerprint(2, 5), *recorded[2][1:])  # rank 1 says slot 6 is expert 5
+    contents[1] = RankContent(
+        1, ContentKind.CONTENT, view=ContentView(**{**view.__dict__, "recorded": recorded})
+    )
+    conflict = expected_contents(contents, BASE)
+    assert isinstance(conflict, FailStartup)
+    assert "layer 2: experts 5 and 6 were recorded with the same content" in conflict.reason
+    missing = expected_contents(
+        [contents[0], RankContent(1, ContentKind.NOT_RECORDED, "off")], BASE
+    )
+    assert isinstance(missing, NoContentCheck) and missing.reasons == ("rank 1: not_recorded: off",)
+
+
+def test_loaded_slots_that_do_not_hold_the_named_expert_are_named_with_what_they_hold():
+    known = expected_contents(_contents(_world()), BASE)
+    assert isinstance(known, ExpertContents)
+    loaded = Slots(BASE, 6, 6)
+    loaded.zero(1, 10)
+    loaded.move(2, 7, 3)
+    problems = loaded_slot_problems(1, loaded.fingerprints(), BASE, known)
+    assert problems == [
+        "rank 1 layer 1 slot 10: expected expert 2, holds zero-filled",
+        "rank 1 layer 2 slot 7: expected expert 7, holds expert 3",
+    ]
+    assert loaded_slot_problems(0, Slots(BASE, 0, 6).fingerprints(), BASE, known) == []
