@@ -14,6 +14,7 @@ from cli_ledgers import build, committing_writer, run_cli
 
 from harness.daemon_control import EngineStandIn, start_daemon
 from layout_ledger import exit_codes
+from layout_ledger.schema import SCHEMA_HEAD
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -80,7 +81,7 @@ def test_backup_json_names_what_the_copy_holds(tmp_path, capsys):
     assert result == {
         "path": str(path),
         "output": str(tmp_path / "b.sqlite"),
-        "schema_revision": "0004_incarnation_origin",
+        "schema_revision": SCHEMA_HEAD,
         "bytes": (tmp_path / "b.sqlite").stat().st_size,
         "incarnations": 2,
         "events": 17,

@@ -34,7 +34,6 @@ from gpu_single.expert_bytes import (
 )
 from gpu_single.fingerprint_stage import (
     FINGERPRINT_MODULE,
-    NOT_AVAILABLE,
     find_fingerprint_function,
     fingerprint_rows,
     measure_fingerprints,
@@ -102,7 +101,9 @@ def test_cpu_path_shares_experts_by_torch_ipc_and_b_adopts_the_ledger_with_sglan
     assert _measured(small, "B ignoring the record: slots read wrongly") == "85/96"
     layer = _stage(document, "1 deepseek-v3-layer")
     assert _measured(layer, "B: slots holding the expert") == "36/36"
-    assert _stage(document, "2 fingerprints")["status"] == NOT_AVAILABLE
+    fingerprints = _stage(document, "2 fingerprints")
+    assert fingerprints["status"] == "ran"  # sglang_integration.fingerprints, on this device
+    assert _failed_rows(document) == []
     assert "checks held" in output
 
 
@@ -203,9 +204,13 @@ def test_a_move_in_place_leaves_every_slot_holding_its_new_expert_whole() -> Non
         move_layer(tensors, [0] * 12, new_row)
 
 
-def test_fingerprint_stage_is_skipped_until_sglang_integration_provides_fingerprint_slots(
+def test_fingerprint_stage_finds_the_function_sglang_integration_provides(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from sglang_integration.fingerprints import fingerprint_slots as provided
+
+    assert find_fingerprint_function() is provided
+    monkeypatch.setitem(sys.modules, FINGERPRINT_MODULE, None)  # an older version: none
     assert find_fingerprint_function() is None
     module = types.ModuleType(FINGERPRINT_MODULE)
 
