@@ -63,7 +63,12 @@ class JsonFileJournal:
         self.map: list[list[int]] | None = None
         self.request_rows: dict[int, list[int]] = {}
 
-    def append(self, events: Sequence[ev.Event], rows: Mapping[int, str] | None = None) -> None:
+    def append(
+        self,
+        events: Sequence[ev.Event],
+        rows: Mapping[int, str] | None = None,
+        fingerprints: object = None,
+    ) -> None:
         record = self.record
         if record is None:
             raise RuntimeError("bind the journal to its record first")

@@ -98,7 +98,12 @@ class CountingJournal:
         self.refusals = 0
         self.others = 0
 
-    def append(self, events: Sequence[ev.Event], rows: Mapping[int, str] | None = None) -> None:
+    def append(
+        self,
+        events: Sequence[ev.Event],
+        rows: Mapping[int, str] | None = None,
+        fingerprints: object = None,
+    ) -> None:
         for event in events:
             if _is_refusal(event.kind):
                 self.refusals += 1
