@@ -40,8 +40,10 @@ logger = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 5000
 FILE_MODE = files.FILE_MODE
-# WAL bytes kept after a checkpoint resets the log; bounds the -wal file on disk.
-JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
+# WAL bytes kept after a checkpoint resets the log; bounds the -wal file on disk. Above the
+# maintenance's RESTART threshold (2 MiB), so a steady stream never pays for a truncation; a WAL
+# that grew while a reader pinned it is cut back to this when the log next starts over.
+JOURNAL_SIZE_LIMIT = 8 * 1024 * 1024
 
 
 def lock_path_for(path: Path) -> Path:
