@@ -203,9 +203,23 @@ def _encoded_if_valid(rows: list[Any], geometry: Geometry) -> list[str] | None:
         return None
     if encoded.count(b"[") != len(rows) + 1 or encoded.count(b"]") != len(rows) + 1:
         return None  # a nested list in some row
-    if max(map(max, rows)) >= upper:
+    if not _all_below(rows, upper):
         return None
     return ["[" + text + "]" for text in encoded[2:-2].decode().split("],[")] if rows else []
+
+
+def _all_below(rows: list[Any], upper: int) -> bool:
+    """Every value (a non-negative int, by the text check) is below ``upper``.
+
+    Up to 256 experts, packing the rows into bytes and deleting the allowed values is ~3x
+    faster than ``max`` over Python ints (``bytes`` refuses a value over 255 by itself)."""
+    if upper > 256:
+        return max(map(max, rows), default=-1) < upper
+    try:
+        packed = b"".join(map(bytes, rows))
+    except ValueError:
+        return False
+    return not packed.translate(None, bytes(range(upper)))
 
 
 def _strict_encode(rows: list[Any]) -> bytes | None:

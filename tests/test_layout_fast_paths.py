@@ -40,7 +40,25 @@ def test_the_digest_of_a_huge_int_still_uses_the_protocols_json():
 
 # Every kind of value sglang's SafeUnpickler lets a request carry (builtins: no int subclass but
 # bool, which is refused; an IntEnum handed to the record in-process is taken as its value).
-BAD_VALUES = [-1, 5, 2**64, True, False, 1.0, math.nan, None, "1", b"1", [1], (1,), {1: 2}, 1j]
+BAD_VALUES = [
+    -1,
+    5,
+    255,
+    256,
+    300,
+    2**64,
+    True,
+    False,
+    1.0,
+    math.nan,
+    None,
+    "1",
+    b"1",
+    [1],
+    (1,),
+    {1: 2},
+    1j,
+]
 values = st.one_of(st.integers(0, 4), st.sampled_from(BAD_VALUES))
 rows_strategy = st.dictionaries(
     st.sampled_from([0, 1, 2, 3, "0", 2.0]),
