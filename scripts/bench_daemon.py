@@ -48,7 +48,8 @@ from layout_ledger.layout import trivial_map
 from sglang_integration import client
 
 LAYERS, PHYSICAL, LOGICAL = 58, 288, 256  # DeepSeek-V3: 58 MoE layers, 256 experts + 32 redundant
-RATIO_TARGET = 3.0
+RATIO_TARGET = 3.0  # the proposal's
+RATIO_GOAL = 1.3  # the per-chunk overhead issue's: printed, not the exit status
 DETACH_P99_TARGET_MS = 100.0
 POLL_INTERVAL = 0.0005
 
@@ -221,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(
         f"  ratio ledger / in-memory (medians): {ratio:.2f}x   "
-        f"target <= {RATIO_TARGET:.0f}x: {'met' if ratio_ok else 'MISSED'}"
+        f"target <= {RATIO_TARGET:.0f}x: {'met' if ratio_ok else 'MISSED'}; "
+        f"goal <= {RATIO_GOAL}x: {'met' if ratio <= RATIO_GOAL else 'not met'}"
     )
     p99 = percentile(detach[KILL_TO_DURABLE], 99)
     detach_ok = p99 < DETACH_P99_TARGET_MS

@@ -73,6 +73,7 @@ def _rank(job: RankJob, out: Connection) -> None:
     from sglang_integration.weight_source import WeightSource, record_weight_source
 
     rank, world, sockets, rounds = job.rank, job.world, job.sockets, job.rounds
+    stages = _timed_stages(rebalance)
     _counters_on_the_cpu()
     args = _publish_and_join(
         rank,
@@ -114,7 +115,35 @@ def _rank(job: RankJob, out: Connection) -> None:
         started = time.perf_counter()
         ExpertLocationMetadata.init_by_eplb(model_config, counts)
         plans.append(time.perf_counter() - started)
-    out.send({"rank": rank, "startup": startup, "chunks": chunks, "plans": plans})
+    out.send({"rank": rank, "startup": startup, "chunks": chunks, "plans": plans, "stages": stages})
+
+
+def _timed_stages(rebalance: Any) -> dict[str, list[float]]:
+    """Time the parts of a chunk on this rank: wraps the rebalance module's own functions."""
+    stages: dict[str, list[float]] = {}
+
+    def timed(name: str, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                stages.setdefault(name, []).append(time.perf_counter() - started)
+
+        return wrapper
+
+    names = iter(("begin request", "commit request") * 1_000_000)
+    call = rebalance._call
+
+    def named_call(request: Any) -> Any:  # a chunk's requests alternate: begin, commit
+        return timed(next(names), call)(request)
+
+    rebalance._call = named_call
+    rebalance._all_gather = timed("all-gathers (2)", rebalance._all_gather)
+    rebalance.layout_digest = timed("digest of the map", rebalance.layout_digest)
+    rebalance.check_commits = timed("check_commits", rebalance.check_commits)
+    rebalance.decide_begin = timed("decide_begin", rebalance.decide_begin)
+    return stages
 
 
 def _moved_map(seed: int) -> list[list[int]]:
@@ -179,6 +208,11 @@ def run(ep: int, rounds: int, workdir: Path) -> dict[str, Any]:
         "chunks": [max(values) for values in zip(*(r["chunks"] for r in results), strict=False)],
         "plans": [max(values) for values in zip(*(r["plans"] for r in results), strict=False)],
         "startup": [r["startup"] for r in results],
+        "stages": {
+            name: statistics.median(r["stages"][name]) * (2 if "all-gathers" in name else 1)
+            for r in results[:1]
+            for name in r["stages"]
+        },
     }
 
 
@@ -209,6 +243,9 @@ def report(measured: dict[int, dict[str, Any]], rounds: int) -> str:
         lines.append(
             f"    EP 2 median {median:.2f} ms   target < {REFERENCE_MS / 100:.1f} ms: {verdict}"
         )
+    for ep, result in measured.items():
+        parts = ", ".join(f"{name} {ms(value).strip()}" for name, value in result["stages"].items())
+        lines.append(f"    EP {ep}, rank 0, medians: {parts}")
     lines += [
         "",
         "(b) engine start: what the plugin adds (per rank; the daemons' layout had moved)",

@@ -55,6 +55,7 @@ from layout_ledger.agreement import (
 )
 from layout_ledger.layout import layout_digest
 from layout_ledger.protocol import Outcome, Reply
+from sglang_integration.small_gather import all_gather_small
 
 logger = logging.getLogger(__name__)
 
@@ -359,8 +360,7 @@ def _all_gather(value: Any) -> list[Any]:
     """All-gather a small object over sglang's world CPU (gloo) group; index = world rank."""
     from sglang.srt.runtime_context import get_parallel
 
-    gathered: list[Any] = get_parallel().world_group.all_gather_object(value)
-    return gathered
+    return all_gather_small(get_parallel().world_group, value)
 
 
 def _is_first_rank() -> bool:

@@ -98,6 +98,28 @@ def test_the_daemon_prunes_by_itself_so_a_long_run_stays_bounded(tmp_path):
     ledger.close()
 
 
+def test_the_daemons_retention_prunes_in_short_steps_whatever_prune_every(tmp_path, monkeypatch):
+    """Each retention transaction (one prune event) drops at most PRUNE_STEP_VERSIONS versions,
+    so a large --expert-layout-prune-every never holds the writer's lock for long."""
+    from layout_ledger import ledger as ledger_module
+
+    monkeypatch.setattr(ledger_module, "PRUNE_STEP_VERSIONS", 4)
+    path = tmp_path / "l.sqlite"
+    ledger = open_ledger(path, keep_versions=3, prune_every=30)
+    record = start(ledger)
+    record.attach("A")
+    rng = random.Random(7)
+    for _ in range(30):
+        move(record, "A", [0, 1], rng)
+    assert ledger.maintenance.wait_idle(timeout=30)
+    floor, current = _kept_versions_verify(path, record.incarnation_id)
+    assert (floor, current) == (28, 30)
+    with sqlite3.connect(path) as conn:
+        bases = [b for (b,) in conn.execute("SELECT base_version FROM events WHERE kind = 'prune'")]
+    assert bases == [4, 8, 12, 16, 20, 24, 28]
+    ledger.close()
+
+
 def test_a_restarted_daemon_prunes_earlier_incarnations_too(tmp_path):
     path = tmp_path / "l.sqlite"
     ledger = open_ledger(path, keep_versions=3, prune_every=1000)
