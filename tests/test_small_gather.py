@@ -7,12 +7,12 @@ gloo group like this one); the rebalance tests run it through sglang's real worl
 
 from __future__ import annotations
 
-import os
 from multiprocessing.connection import Connection
 from typing import Any
 
 from harness.cpu_engine import engine_process_context, free_port
 from layout_ledger.protocol import Outcome, Reply
+from layout_ledger.sglang_env import set_quiet_sglang_env
 from sglang_integration import small_gather
 
 
@@ -36,7 +36,7 @@ class _Group:
 def _rank(rank: int, port: int, values: list[Any], out: Connection) -> None:
     import torch.distributed as dist
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    set_quiet_sglang_env()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         group = _Group()
