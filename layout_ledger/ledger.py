@@ -287,7 +287,7 @@ class Ledger:
         # In steps of PRUNE_STEP_VERSIONS, each its own transaction (and prune event): a step
         # holds the writer's lock for a few milliseconds, whatever --expert-layout-prune-every.
         up_to = floor
-        while up_to < keep_from:
+        while up_to < keep_from and not (self.maintenance and self.maintenance.stopping):
             up_to = min(up_to + PRUNE_STEP_VERSIONS, keep_from)
             if not self._prune_step(record.incarnation_id, up_to):
                 return

@@ -196,6 +196,11 @@ class Maintenance:
         self._wake.set()
         self._thread.join(timeout=30)
 
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop`` was called: long work (retention's steps) ends early."""
+        return self._stopping
+
     def _prune_due(self) -> bool:
         return self._commits - self._commits_at_prune >= self._prune_every
 
