@@ -571,7 +571,7 @@ def _prune_one(
             if table == "layout_rows":
                 removed += deleted
     events.write(
-        _driver_of(conn),
+        driver,
         inc.incarnation_id,
         [
             ev.Event(
