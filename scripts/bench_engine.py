@@ -37,9 +37,10 @@ from harness.cpu_engine import (
     _counters_on_the_cpu,
     _publish_and_join,
     free_port,
+    one_result_per_rank,
     write_tiny_moe_config,
 )
-from harness.daemon_control import process_context, start_daemon
+from harness.daemon_control import start_daemon
 
 NUM_LAYERS, NUM_LOGICAL, NUM_REDUNDANT = 58, 256, 32
 NUM_SLOTS = NUM_LOGICAL + NUM_REDUNDANT
@@ -173,7 +174,6 @@ def _move_daemons(sockets: list[str]) -> None:
 
 
 def run(ep: int, rounds: int, workdir: Path) -> dict[str, Any]:
-    context = process_context()
     model_dir = write_tiny_moe_config(workdir / f"model{ep}", NUM_LAYERS, NUM_LOGICAL)
     daemons = [
         start_daemon(
@@ -190,17 +190,9 @@ def run(ep: int, rounds: int, workdir: Path) -> dict[str, Any]:
         _move_daemons(sockets)
         time.sleep(0.5)  # the mover's detach
         port = free_port()
-        pipes, processes = [], []
-        for rank in range(ep):
-            receive, send = context.Pipe(duplex=False)
-            job = RankJob(rank, ep, port, str(model_dir), sockets, rounds)
-            process = context.Process(target=_rank, args=(job, send))
-            process.start()
-            pipes.append(receive)
-            processes.append(process)
-        results = [pipe.recv() for pipe in pipes]
-        for process in processes:
-            process.join(60)
+        results = one_result_per_rank(
+            ep, _rank, lambda rank: (RankJob(rank, ep, port, str(model_dir), sockets, rounds),)
+        )
     finally:
         for daemon in daemons:
             daemon.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from multiprocessing.connection import Connection
 from typing import Any
 
-from harness.cpu_engine import engine_process_context, free_port
+from harness.cpu_engine import free_port, one_result_per_rank
 from layout_ledger.protocol import Outcome, Reply
 from layout_ledger.sglang_env import set_quiet_sglang_env
 from sglang_integration import small_gather
@@ -58,19 +58,8 @@ def _empty(rank: int) -> None:
 
 
 def test_every_rank_gets_what_all_gather_object_gives_including_a_value_too_large_for_a_slot():
-    context = engine_process_context()
     port = free_port()
     values = [_small, _large_on_rank_1, _empty, _small]
-    pipes, processes = [], []
-    for rank in range(2):
-        receive, send = context.Pipe(duplex=False)
-        process = context.Process(target=_rank, args=(rank, port, values, send))
-        process.start()
-        pipes.append(receive)
-        processes.append(process)
-    results = [pipe.recv() for pipe in pipes]
-    for process in processes:
-        process.join(60)
-        assert process.exitcode == 0
+    results = one_result_per_rank(2, _rank, lambda rank: (rank, port, values))
     expected = [[value(rank) for rank in range(2)] for value in values]
     assert results == [expected, expected]

@@ -66,6 +66,27 @@ def engine_process_context() -> ForkServerContext:
     return process_context()
 
 
+def one_result_per_rank(
+    world_size: int, target: Callable[..., None], args_of: Callable[[int], tuple[Any, ...]]
+) -> list[Any]:
+    """Run ``target(*args_of(rank), pipe)`` in one forkserver process per rank; each sends one
+    result on its pipe. Returns them by rank once every process has exited (0, or raises)."""
+    context = engine_process_context()
+    pipes, processes = [], []
+    for rank in range(world_size):
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=target, args=(*args_of(rank), send))
+        process.start()
+        pipes.append(receive)
+        processes.append(process)
+    results = [pipe.recv() for pipe in pipes]
+    for rank, process in enumerate(processes):
+        process.join(60)
+        if process.exitcode != 0:
+            raise RuntimeError(f"rank {rank} exited with {process.exitcode}")
+    return results
+
+
 def release_forkserver() -> None:
     """In a forkserver child: close its copy of the forkserver's keep-alive pipe.
 
