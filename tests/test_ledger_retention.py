@@ -33,11 +33,19 @@ def _kept_versions_verify(path, incarnation_id):
         return floor, current
 
 
-def test_prune_keeps_the_current_map_every_event_and_the_last_n_versions(tmp_path):
-    path = tmp_path / "l.sqlite"
+def _attached_without_retention(path, monkeypatch, **limits):
+    """A ledger that never prunes, engine A attached, the maintenance's limits set for the test."""
+    for name, value in limits.items():
+        monkeypatch.setattr(maintenance, name, value)
     ledger = open_ledger(path, keep_versions=10_000, prune_every=10_000)
     record = start(ledger)
     record.attach("A")
+    return ledger, record
+
+
+def test_prune_keeps_the_current_map_every_event_and_the_last_n_versions(tmp_path, monkeypatch):
+    path = tmp_path / "l.sqlite"
+    ledger, record = _attached_without_retention(path, monkeypatch)
     rng = random.Random(5)
     for _ in range(40):
         move(record, "A", rng.sample(range(8), 3), rng)
@@ -137,11 +145,9 @@ def test_a_restarted_daemon_prunes_earlier_incarnations_too(tmp_path):
 
 def test_a_long_lived_reader_cannot_starve_the_wal_unnoticed(tmp_path, monkeypatch, caplog):
     path = tmp_path / "l.sqlite"
-    monkeypatch.setattr(maintenance, "WAL_WARN_BYTES", 64 * 1024)
-    monkeypatch.setattr(maintenance, "PIN_REPORT_SECONDS", 0.0)
-    ledger = open_ledger(path, keep_versions=10_000, prune_every=10_000)
-    record = start(ledger)
-    record.attach("A")
+    ledger, record = _attached_without_retention(
+        path, monkeypatch, WAL_WARN_BYTES=64 * 1024, PIN_REPORT_SECONDS=0.0
+    )
     rng = random.Random(4)
     reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     reader.execute("BEGIN")
@@ -169,12 +175,9 @@ def test_a_reader_holding_a_snapshot_never_makes_the_writer_wait_for_a_checkpoin
     import time
 
     path = tmp_path / "l.sqlite"
-    monkeypatch.setattr(maintenance, "WAL_WARN_BYTES", 16 * 1024)
-    monkeypatch.setattr(maintenance, "WAL_RESTART_BYTES", 0)
-    monkeypatch.setattr(maintenance, "PIN_REPORT_SECONDS", 0.0)
-    ledger = open_ledger(path, keep_versions=10_000, prune_every=10_000)
-    record = start(ledger)
-    record.attach("A")
+    ledger, record = _attached_without_retention(
+        path, monkeypatch, WAL_WARN_BYTES=16 * 1024, WAL_RESTART_BYTES=0, PIN_REPORT_SECONDS=0.0
+    )
     rng = random.Random(5)
     reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     reader.execute("BEGIN")
@@ -211,13 +214,14 @@ def test_busy_writers_and_short_readers_are_never_reported_as_a_pinned_wal(
     import time
 
     path = tmp_path / "l.sqlite"
-    monkeypatch.setattr(maintenance, "WAL_WARN_BYTES", 96 * 1024)
-    monkeypatch.setattr(maintenance, "WAL_RESTART_BYTES", 32 * 1024)
-    monkeypatch.setattr(maintenance, "CHECKPOINT_EVERY", 2)
-    monkeypatch.setattr(maintenance, "PIN_REPORT_SECONDS", 1.0)
-    ledger = open_ledger(path, keep_versions=10_000, prune_every=10_000)
-    record = start(ledger)
-    record.attach("A")
+    ledger, record = _attached_without_retention(
+        path,
+        monkeypatch,
+        WAL_WARN_BYTES=96 * 1024,
+        WAL_RESTART_BYTES=32 * 1024,
+        CHECKPOINT_EVERY=2,
+        PIN_REPORT_SECONDS=1.0,
+    )
     rng = random.Random(6)
     stop = threading.Event()
 
