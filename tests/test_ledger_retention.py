@@ -220,7 +220,7 @@ def test_busy_writers_and_short_readers_are_never_reported_as_a_pinned_wal(
         WAL_WARN_BYTES=96 * 1024,
         WAL_RESTART_BYTES=32 * 1024,
         CHECKPOINT_EVERY=2,
-        PIN_REPORT_SECONDS=1.0,
+        PIN_REPORT_SECONDS=2.0,
     )
     rng = random.Random(6)
     stop = threading.Event()
@@ -235,7 +235,7 @@ def test_busy_writers_and_short_readers_are_never_reported_as_a_pinned_wal(
     for thread in readers:
         thread.start()
     with caplog.at_level(logging.WARNING, logger="layout_ledger.maintenance"):
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + 4.0
         while time.monotonic() < deadline:
             move(record, "A", list(range(8)), rng)
         stop.set()
