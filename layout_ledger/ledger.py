@@ -282,23 +282,23 @@ class Ledger:
         keep_from = record.version - self.retention.keep_versions + 1
         if keep_from <= 0:
             return
-        with reader.LedgerReader(self.path) as snapshot, snapshot.connect() as conn:
-            floor = reader.reconstructible_from(conn, record.incarnation_id)
-        # In steps of PRUNE_STEP_VERSIONS, each its own transaction (and prune event): a step
-        # holds the writer's lock for a few milliseconds, whatever --expert-layout-prune-every.
-        up_to = floor
-        while up_to < keep_from and not (self.maintenance and self.maintenance.stopping):
-            up_to = min(up_to + PRUNE_STEP_VERSIONS, keep_from)
-            if not self._prune_step(record.incarnation_id, up_to):
-                return
+        # Read on snapshots of its own, outside the writer's lock: requests go on meanwhile.
+        with reader.LedgerReader(self.path) as snapshots:
+            with snapshots.connect() as conn:
+                floor = reader.reconstructible_from(conn, record.incarnation_id)
+            # In steps of PRUNE_STEP_VERSIONS, each its own transaction (and prune event): a step
+            # holds the writer's lock for a few milliseconds, whatever --expert-layout-prune-every.
+            up_to = floor
+            while up_to < keep_from and not (self.maintenance and self.maintenance.stopping):
+                up_to = min(up_to + PRUNE_STEP_VERSIONS, keep_from)
+                if not self._prune_step(snapshots, record.incarnation_id, up_to):
+                    return
 
-    def _prune_step(self, incarnation_id: int, up_to: int) -> bool:
+    def _prune_step(self, snapshots: reader.LedgerReader, incarnation_id: int, up_to: int) -> bool:
         """Check the versions below ``up_to``, then prune them; False (logged) if they are wrong."""
         from layout_ledger.verify import inconsistency_before
 
-        # Read on a snapshot of its own, outside the writer's lock: requests go on meanwhile.
-        with reader.LedgerReader(self.path) as snapshot:
-            problem = inconsistency_before(snapshot, incarnation_id, up_to)
+        problem = inconsistency_before(snapshots, incarnation_id, up_to)
         if problem is not None:
             logger.error(
                 "expert layout ledger %s: retention skipped, the rows it would delete are not "
@@ -380,7 +380,8 @@ class Ledger:
     def checkpoint(self, *, truncate: bool = False) -> CheckpointResult:
         """Checkpoint on the writer connection, outside any transaction."""
         with self._lock:
-            return maintenance.checkpoint(self._writer.driver(), self.path, truncate=truncate)
+            mode = "TRUNCATE" if truncate else "PASSIVE"
+            return maintenance.checkpoint(self._writer.driver(), self.path, mode)
 
 
 class LedgerJournal:

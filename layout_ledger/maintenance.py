@@ -89,15 +89,12 @@ def _no_waiting(conn: sqlite3.Connection) -> Iterator[None]:
         conn.execute(f"PRAGMA busy_timeout={int(saved)}")
 
 
-def checkpoint(
-    conn: sqlite3.Connection, path: Path, *, truncate: bool = False, mode: str | None = None
-) -> CheckpointResult:
+def checkpoint(conn: sqlite3.Connection, path: Path, mode: str = "PASSIVE") -> CheckpointResult:
     """Run a checkpoint on ``conn`` (outside any transaction); it never waits for anyone.
 
-    ``mode``: PASSIVE (the default), RESTART (the writer starts the WAL from its beginning,
-    reusing the file's blocks) or TRUNCATE (``truncate=True``: the file emptied as well).
+    ``mode``: PASSIVE, RESTART (the writer starts the WAL from its beginning, reusing the file's
+    blocks) or TRUNCATE (the file emptied as well).
     """
-    mode = mode or ("TRUNCATE" if truncate else "PASSIVE")
     try:
         with _no_waiting(conn):
             # fetchall: a statement left unfinished would hold a read lock on the WAL and keep
@@ -232,7 +229,7 @@ class Maintenance:
                 # is never taken: with a WAL of gigabytes, even a RESTART that gives up at once
                 # held commits back by tens of milliseconds (bench_ledger (e), max 74 ms).
                 with self._writer_lock:
-                    result = checkpoint(conn, self.path, mode="RESTART")
+                    result = checkpoint(conn, self.path, "RESTART")
             self.pin.observe(result)
         except LedgerError as exc:
             # Commits are durable already; retention only bounds the file. Never fail a request.

@@ -22,6 +22,7 @@ model-less daemon per rank (a real ledger each), at DeepSeek-V3's map geometry (
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import statistics
@@ -133,7 +134,7 @@ def _timed_stages(rebalance: Any) -> dict[str, list[float]]:
 
         return wrapper
 
-    names = iter(("begin request", "commit request") * 1_000_000)
+    names = itertools.cycle(("begin request", "commit request"))
     call = rebalance._call
 
     def named_call(request: Any) -> Any:  # a chunk's requests alternate: begin, commit
@@ -200,10 +201,9 @@ def run(ep: int, rounds: int, workdir: Path) -> dict[str, Any]:
         "chunks": [max(values) for values in zip(*(r["chunks"] for r in results), strict=False)],
         "plans": [max(values) for values in zip(*(r["plans"] for r in results), strict=False)],
         "startup": [r["startup"] for r in results],
-        "stages": {
-            name: statistics.median(r["stages"][name]) * (2 if "all-gathers" in name else 1)
-            for r in results[:1]
-            for name in r["stages"]
+        "stages": {  # rank 0's; the all-gathers' median is per call, and a chunk makes two
+            name: statistics.median(values) * (2 if "all-gathers" in name else 1)
+            for name, values in results[0]["stages"].items()
         },
     }
 

@@ -33,14 +33,19 @@ def _kept_versions_verify(path, incarnation_id):
         return floor, current
 
 
+def _attached(path, **retention):
+    """A ledger with this retention (the default without any), its record, engine A attached."""
+    ledger = open_ledger(path, **retention)
+    record = start(ledger)
+    record.attach("A")
+    return ledger, record
+
+
 def _attached_without_retention(path, monkeypatch, **limits):
     """A ledger that never prunes, engine A attached, the maintenance's limits set for the test."""
     for name, value in limits.items():
         monkeypatch.setattr(maintenance, name, value)
-    ledger = open_ledger(path, keep_versions=10_000, prune_every=10_000)
-    record = start(ledger)
-    record.attach("A")
-    return ledger, record
+    return _attached(path, keep_versions=10_000, prune_every=10_000)
 
 
 def test_prune_keeps_the_current_map_every_event_and_the_last_n_versions(tmp_path, monkeypatch):
@@ -72,9 +77,7 @@ def test_prune_keeps_the_current_map_every_event_and_the_last_n_versions(tmp_pat
 
 def test_prune_refuses_while_a_move_is_pending_and_changes_nothing(tmp_path):
     path = tmp_path / "l.sqlite"
-    ledger = open_ledger(path)
-    record = start(ledger)
-    record.attach("A")
+    ledger, record = _attached(path)
     rng = random.Random(1)
     for _ in range(5):
         move(record, "A", [0], rng)
@@ -90,9 +93,7 @@ def test_prune_refuses_while_a_move_is_pending_and_changes_nothing(tmp_path):
 
 def test_the_daemon_prunes_by_itself_so_a_long_run_stays_bounded(tmp_path):
     path = tmp_path / "l.sqlite"
-    ledger = open_ledger(path, keep_versions=5, prune_every=10)
-    record = start(ledger)
-    record.attach("A")
+    ledger, record = _attached(path, keep_versions=5, prune_every=10)
     rng = random.Random(2)
     for _ in range(200):
         move(record, "A", list(range(8)), rng)
@@ -113,9 +114,7 @@ def test_the_daemons_retention_prunes_in_short_steps_whatever_prune_every(tmp_pa
 
     monkeypatch.setattr(ledger_module, "PRUNE_STEP_VERSIONS", 4)
     path = tmp_path / "l.sqlite"
-    ledger = open_ledger(path, keep_versions=3, prune_every=30)
-    record = start(ledger)
-    record.attach("A")
+    ledger, record = _attached(path, keep_versions=3, prune_every=30)
     rng = random.Random(7)
     for _ in range(30):
         move(record, "A", [0, 1], rng)
@@ -130,9 +129,7 @@ def test_the_daemons_retention_prunes_in_short_steps_whatever_prune_every(tmp_pa
 
 def test_a_restarted_daemon_prunes_earlier_incarnations_too(tmp_path):
     path = tmp_path / "l.sqlite"
-    ledger = open_ledger(path, keep_versions=3, prune_every=1000)
-    record = start(ledger)
-    record.attach("A")
+    ledger, record = _attached(path, keep_versions=3, prune_every=1000)
     rng = random.Random(3)
     for _ in range(20):
         move(record, "A", [2], rng)
@@ -170,8 +167,8 @@ def test_a_reader_holding_a_snapshot_never_makes_the_writer_wait_for_a_checkpoin
 ):
     """A TRUNCATE checkpoint gives up at once while a reader pins the WAL (SQLite's busy
     timeout is 0 for it) instead of waiting out the 5 s busy timeout with the writer's lock
-    held, and neither does the daemon's maintenance while the pin lasts; the pin is reported
-    once, and again when it is released."""
+    held, and the daemon's maintenance does not even try while the pin lasts; the pin is
+    reported once, and again when it is released."""
     import time
 
     path = tmp_path / "l.sqlite"
