@@ -2,8 +2,8 @@
 
 Import-light on purpose: ``layout-ledger`` (the CLI) and the daemon-side protocol logic must
 never import sglang or torch, so this package imports nothing at module level beyond the
-standard library. Import the submodules you need (``layout_ledger.ledger``,
-``layout_ledger.service``, ...).
+standard library. Import the submodules you need (``layout_ledger.store.ledger``,
+``layout_ledger.wire.service``, ...).
 """
 
 # The distribution's version (setup.cfg); `layout-ledger --version` prints the installed

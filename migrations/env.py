@@ -1,7 +1,7 @@
 """Alembic environment for the ledger.
 
 Two ways in:
-- programmatic (``layout_ledger.migrate``): the caller passes its open writer connection in
+- programmatic (``layout_ledger.store.migrate``): the caller passes its open writer connection in
   ``config.attributes["connection"]``, already holding the ledger's writer lock;
 - command line: ``alembic -x url=sqlite:///PATH upgrade head`` opens PATH the way the daemon
   does (writer lock, WAL, 0600), so it fails at once while a daemon owns the file.
@@ -14,7 +14,7 @@ from pathlib import Path
 from alembic import context
 from sqlalchemy.engine import make_url
 
-from layout_ledger.schema import metadata
+from layout_ledger.store.schema import metadata
 
 config = context.config
 
@@ -47,7 +47,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _configure_and_run(connection)
         return
-    from layout_ledger.storage import open_writer
+    from layout_ledger.store.connections import open_writer
 
     database = make_url(_url()).database
     if not database:

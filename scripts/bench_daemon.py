@@ -38,14 +38,14 @@ from collections.abc import Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from harness.daemon_control import (
+from layout_ledger.core.layout import trivial_map
+from sglang_integration.engine import client
+from sglang_integration.testing.daemon_control import (
     DaemonProcess,
     EngineStandIn,
     stand_ins,
     start_daemon,
 )
-from layout_ledger.layout import trivial_map
-from sglang_integration import client
 
 LAYERS, PHYSICAL, LOGICAL = 58, 288, 256  # DeepSeek-V3: 58 MoE layers, 256 experts + 32 redundant
 RATIO_TARGET = 3.0  # the proposal's

@@ -34,14 +34,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from harness.cpu_engine import (
+from sglang_integration.testing.cpu_engine import (
     _counters_on_the_cpu,
     _publish_and_join,
     free_port,
     one_result_per_rank,
     write_tiny_moe_config,
 )
-from harness.daemon_control import start_daemon
+from sglang_integration.testing.daemon_control import start_daemon
 
 NUM_LAYERS, NUM_LOGICAL, NUM_REDUNDANT = 58, 256, 32
 NUM_SLOTS = NUM_LOGICAL + NUM_REDUNDANT
@@ -70,9 +70,10 @@ def _rank(job: RankJob, out: Connection) -> None:
     )
     from sglang.srt.runtime_context import get_parallel
 
-    from harness.synthetic_load import skewed_logical_count
-    from sglang_integration import engine_startup, rebalance
-    from sglang_integration.weight_source import WeightSource, record_weight_source
+    from sglang_integration.engine import rebalance
+    from sglang_integration.engine import startup as engine_startup
+    from sglang_integration.engine.weight_source import WeightSource, record_weight_source
+    from sglang_integration.testing.synthetic_load import skewed_logical_count
 
     rank, world, sockets, rounds = job.rank, job.world, job.sockets, job.rounds
     stages = _timed_stages(rebalance)
@@ -161,7 +162,7 @@ def _moved_map(seed: int) -> list[list[int]]:
 
 def _move_daemons(sockets: list[str]) -> None:
     """One engine moves every daemon's layout (so a starting engine adopts a map)."""
-    from sglang_integration import client
+    from sglang_integration.engine import client
 
     moved = _moved_map(11)
     for socket_path in sockets:
@@ -260,7 +261,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
-    from layout_ledger.sglang_env import set_quiet_sglang_env
+    from sglang_integration.testing.sglang_env import set_quiet_sglang_env
 
     set_quiet_sglang_env()
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_integration.fingerprints import fingerprint_slots
+from sglang_integration.content.fingerprints import fingerprint_slots
 
 MOE_LAYERS = 58
 LOCAL_SLOTS = 288 // 8

@@ -32,12 +32,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from layout_ledger import events as ev
-from layout_ledger import reader
-from layout_ledger.layout import Geometry, row_json, trivial_map
-from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Ledger, Retention
-from layout_ledger.reader import LedgerReader
-from layout_ledger.record import LayoutRecord
+from layout_ledger.core import events as ev
+from layout_ledger.core.layout import Geometry, row_json, trivial_map
+from layout_ledger.core.record import LayoutRecord
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.store.ledger import Ledger
+from layout_ledger.store.retention import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Retention
+from layout_ledger.store.rows import current_version, incarnation, map_at
+from layout_ledger.wire.protocol import pending_to_wire
 
 GEOMETRY = Geometry(num_layers=58, num_physical_slots=288, num_logical_experts=256)
 ALL_LAYERS = list(range(GEOMETRY.num_layers))
@@ -75,7 +77,7 @@ class JsonFileJournal:
         last = events[-1]
         version = last.new_version if rows else record.version
         digest = last.digest_after if rows else record.digest
-        pending = None if record.pending is None else record.pending.to_wire()
+        pending = None if record.pending is None else pending_to_wire(record.pending)
         row_jsons = record.row_jsons()
         for layer, text in (rows or {}).items():
             row_jsons[layer] = text
@@ -209,10 +211,10 @@ def bench_reconstruction(workdir: Path, versions: int, repeats: int) -> dict[str
     with LedgerReader(path) as handle:
         for _ in range(repeats):
             with handle.connect() as conn:
-                inc = reader.incarnation(conn)
-                _version, _ = reader.current_version(conn, inc.incarnation_id)
+                inc = incarnation(conn)
+                _version, _ = current_version(conn, inc.incarnation_id)
                 started = time.perf_counter()
-                reader.map_at(conn, inc)
+                map_at(conn, inc)
                 samples["reconstruction"].append(time.perf_counter() - started)
                 ids = _current_row_ids(conn, inc.incarnation_id)
                 marks = ",".join("?" * len(ids))
@@ -326,7 +328,7 @@ def bench_reader_snapshot(workdir: Path, seconds: float, reader: bool) -> list[f
 def bench_refusal_flood(workdir: Path, refusals: int) -> tuple[int, float]:
     """``refusals`` identical refused begins (an engine that is not attached); returns the growth
     of file + WAL in bytes and the refusals per second."""
-    from layout_ledger.errors import RequestRefused
+    from layout_ledger.core.errors import RequestRefused
 
     path = workdir / "flood.sqlite"
     ledger = Ledger.open(path)

@@ -36,14 +36,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.daemon_control import DaemonProcess, start_daemon
-from layout_ledger import reader
-from layout_ledger.admin import prune_ledger
-from layout_ledger.errors import LedgerError
-from layout_ledger.layout import Geometry, layout_digest, trivial_map
-from layout_ledger.reader import LedgerReader
-from layout_ledger.verify import collect_verify, verify_incarnation
-from sglang_integration import client
+from layout_ledger.cli.admin import prune_ledger
+from layout_ledger.core.errors import LedgerError
+from layout_ledger.core.layout import Geometry, layout_digest, trivial_map
+from layout_ledger.history.checks import collect_verify, verify_incarnation
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.store.replay import replayed
+from layout_ledger.store.rows import incarnation
+from sglang_integration.engine import client
+from sglang_integration.testing.daemon_control import DaemonProcess, start_daemon
 
 DEEPSEEK_V3 = Geometry(num_layers=58, num_physical_slots=288, num_logical_experts=256)
 SMALL = Geometry(num_layers=8, num_physical_slots=12, num_logical_experts=8)
@@ -140,13 +141,13 @@ def _row(rng: random.Random, geometry: Geometry) -> list[int]:
 def _check_incarnation(path: Path, incarnation_id: int, stream: Stream, tally: Tally) -> None:
     """The killed incarnation as the ledger holds it, against what the engine saw."""
     with LedgerReader(path) as ledger, ledger.connect() as conn:
-        inc = reader.incarnation(conn, incarnation_id)
+        inc = incarnation(conn, incarnation_id)
         recorded = dict(
             conn.exec_driver_sql(
                 "SELECT version, digest FROM versions WHERE incarnation_id = ?", (incarnation_id,)
             ).all()
         )
-        record = reader.replayed(conn, inc)
+        record = replayed(conn, inc)
     lost = [v for v, digest in stream.digests.items() if recorded.get(v) != digest]
     tally.lost += len(lost)
     if lost:
@@ -304,7 +305,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dir", type=Path, help="where to put the ledger (default: a temp dir)")
     args = parser.parse_args()
-    from layout_ledger.sglang_env import set_quiet_sglang_env
+    from sglang_integration.testing.sglang_env import set_quiet_sglang_env
 
     set_quiet_sglang_env()
     geometry = SMALL if args.small else DEEPSEEK_V3

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _terminate)
     print("starting (imports take a few seconds)...", flush=True)
-    from layout_ledger.sglang_env import set_quiet_sglang_env
+    from sglang_integration.testing.sglang_env import set_quiet_sglang_env
 
     set_quiet_sglang_env()  # before anything imports sglang, here or in a process started here
     import demo_cases

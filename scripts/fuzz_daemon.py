@@ -2,10 +2,10 @@
 
     .venv/bin/python scripts/fuzz_daemon.py [--requests 10000] [--seed N] [--restart-every 1500]
 
-Runs ``harness.daemon_fuzz`` against model-less daemons (sglang 0.5.23's real serve loop and
-request handling with the plugin, a real ledger), in a temporary directory, and prints one table:
-requests sent, daemon crashes, replies that broke the protocol's rules, record changes from
-refused requests, ``verify`` failures (each must be 0), then what else the run did.
+Runs ``sglang_integration.testing.daemon_fuzz`` against model-less daemons (sglang 0.5.23's real
+serve loop and request handling with the plugin, a real ledger), in a temporary directory, and
+prints one table: requests sent, daemon crashes, replies that broke the protocol's rules, record
+changes from refused requests, ``verify`` failures (each must be 0), then what else the run did.
 
 Exit status: 0 when every fault count is 0, 1 otherwise (the first faults are printed).
 """
@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from harness.daemon_fuzz import FuzzTally, run_fuzz
+from sglang_integration.testing.daemon_fuzz import FuzzTally, run_fuzz
 
 
 def table(tally: FuzzTally, seconds: float) -> list[str]:

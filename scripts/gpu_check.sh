@@ -57,7 +57,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from layout_ledger.sglang_env import DISABLED_MODEL_ARCHS_ENV, QUIET_ARCHS
+from sglang_integration.testing.sglang_env import DISABLED_MODEL_ARCHS_ENV, QUIET_ARCHS
 
 # sglang's import noise off in the daemons and engines started below (they inherit it).
 os.environ.setdefault(DISABLED_MODEL_ARCHS_ENV, QUIET_ARCHS)
@@ -181,7 +181,7 @@ def main() -> int:
               "--disable-cuda-graph", "--disable-radix-cache"]
     eplb = ["--ep-size", "2", "--enable-eplb", "--ep-num-redundant-experts", "2"] if case1 else []
 
-    daemon = start("daemons", [PY, "-m", "sglang_integration.daemon", *common, *eplb,
+    daemon = start("daemons", [PY, "-m", "sglang_integration.daemon.launcher", *common, *eplb,
                                "--expert-layout-ledger", str(WORK / "ledger_{device_uuid}.sqlite")])
     wait_for(f"{tp} daemon(s) ready", lambda: len(list(WORK.glob("wc_*.ready"))) >= tp, daemon, 240)
 

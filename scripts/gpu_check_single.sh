@@ -20,7 +20,7 @@
 #    wrongly. The counts are the CPU demo's case 1, on CUDA memory.
 # 2. Fingerprints (fingerprint_stage): every slot of 58 layers x 36 slots (91.97 GB) fingerprinted
 #    on the device, GB/s against the copy bandwidth of the same run; a half-overwritten slot and a
-#    zeroed replica detected. Until sglang_integration.fingerprints.fingerprint_slots exists the
+#    zeroed replica detected. Until sglang_integration.content.fingerprints.fingerprint_slots exists the
 #    stage says "skipped: fingerprints not available in this version".
 # 3. scripts/bench_ledger.py --quick, as is (bench_stage).
 #

@@ -36,11 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from layout_ledger.content import ExpertContents
-from layout_ledger.layout import Geometry
-from layout_ledger.record import LayoutRecord
-from sglang_integration.fingerprints import fingerprint_hex, fingerprint_slots
-from sglang_integration.slot_content import ModelSlots
+from layout_ledger.core.content import ExpertContents
+from layout_ledger.core.layout import Geometry
+from layout_ledger.core.record import LayoutRecord
+from sglang_integration.content.fingerprints import fingerprint_hex, fingerprint_slots
+from sglang_integration.content.model_slots import ModelSlots
 
 SLOTS, EXPERTS, REPLICAS = 36, 32, 4
 TORN, ZEROED = 10, 35
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     _damage(tensors)
     after = fingerprint_hex(fingerprint_slots(tensors, SLOTS))
     checks += _damage_checks(before, after)
-    view = record.content_check(slots.fingerprints())
+    view = record.content_check(slots.fingerprints)
     named = (
         view.dirty
         and "slot 10:" in (view.dirty_reason or "")

@@ -12,6 +12,6 @@ echo "== lint" >&2
 "$py" -m ruff format --check .
 "$py" -m ruff check .
 "$py" -m mypy
-# tests/conftest.py sets the quiet sglang environment (layout_ledger.sglang_env)
+# tests/conftest.py sets the quiet sglang environment (sglang_integration.testing.sglang_env)
 echo "== tests" >&2
 "$py" -m pytest "$@"

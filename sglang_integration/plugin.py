@@ -26,13 +26,11 @@ def register() -> None:
     """Register this package's hooks with sglang's ``HookRegistry`` (applied by sglang)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_integration import (
-        daemon_hooks,
-        engine_startup,
-        loaded_content,
-        loader_hooks,
-        rebalance,
-    )
+    from sglang_integration.daemon import hooks as daemon_hooks
+    from sglang_integration.engine import ipc_loader as loader_hooks
+    from sglang_integration.engine import load_check as loaded_content
+    from sglang_integration.engine import rebalance
+    from sglang_integration.engine import startup as engine_startup
 
     around = HookType.AROUND
     HookRegistry.register(

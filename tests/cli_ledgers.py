@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from layout_ledger import ledger as ledger_module
-from layout_ledger import record as record_module
-from layout_ledger.layout import Geometry, trivial_map
-from layout_ledger.ledger import Ledger
-from layout_ledger.record import LayoutRecord
+from layout_ledger.core import record as record_module
+from layout_ledger.core.layout import Geometry, trivial_map
+from layout_ledger.core.record import LayoutRecord
+from layout_ledger.store import ledger as ledger_module
+from layout_ledger.store.ledger import Ledger
 
 GEOMETRY = Geometry(num_layers=4, num_physical_slots=6, num_logical_experts=4)
 EPOCH = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
@@ -178,7 +178,7 @@ def committing_writer(path: str, ready: Any, stop: Any, commits: Any) -> None:
 
 def run_cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
     """``layout-ledger ARGV`` in this process: (exit code, stdout, stderr)."""
-    from layout_ledger.cli import main
+    from layout_ledger.cli.app import main
 
     capsys.readouterr()
     code = main(list(argv))

@@ -1,8 +1,8 @@
 """Slot contents for the content tests: a fingerprint per (layer, expert), and slots holding them.
 
-``expert_fingerprint`` stands in for ``sglang_integration.fingerprints`` of an expert's bytes
-(64 hex digits, one per (layer, expert)); ``Slots`` is what a daemon's local slots hold, which a
-test changes the way a move, a crash or a broken loader would, and fingerprints on request.
+``expert_fingerprint`` stands in for ``sglang_integration.content.fingerprints`` of an expert's
+bytes (64 hex digits, one per (layer, expert)); ``Slots`` is what a daemon's local slots hold,
+which a test changes the way a move, a crash or a broken loader would, and fingerprints on request.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from layout_ledger.content import ZERO, LocalFingerprints, parts_of
+from layout_ledger.core.content import ZERO, LocalFingerprints, parts_of
 
 
 def expert_fingerprint(layer: int, expert: int) -> str:

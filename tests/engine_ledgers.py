@@ -13,10 +13,10 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from layout_ledger.layout import Geometry, trivial_map
-from layout_ledger.ledger import Ledger
-from layout_ledger.origin import IncarnationOrigin
-from layout_ledger.record import LayoutRecord
+from layout_ledger.core.layout import Geometry, trivial_map
+from layout_ledger.core.record import LayoutRecord
+from layout_ledger.store.ledger import Ledger
+from layout_ledger.store.origin import IncarnationOrigin
 
 GEOMETRY = Geometry(num_layers=4, num_physical_slots=6, num_logical_experts=4)
 ENGINE = "engine-a"

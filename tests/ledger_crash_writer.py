@@ -11,8 +11,9 @@ import random
 import sys
 import time
 
-from layout_ledger.layout import Geometry, trivial_map
-from layout_ledger.ledger import Ledger, Retention
+from layout_ledger.core.layout import Geometry, trivial_map
+from layout_ledger.store.ledger import Ledger
+from layout_ledger.store.retention import Retention
 
 GEOMETRY = Geometry(num_layers=16, num_physical_slots=64, num_logical_experts=48)
 

@@ -6,9 +6,10 @@ import random
 import sqlite3
 from pathlib import Path
 
-from layout_ledger.layout import Geometry, Map, trivial_map
-from layout_ledger.ledger import Ledger, Retention
-from layout_ledger.record import LayoutRecord
+from layout_ledger.core.layout import Geometry, Map, trivial_map
+from layout_ledger.core.record import LayoutRecord
+from layout_ledger.store.ledger import Ledger
+from layout_ledger.store.retention import Retention
 
 SMALL = Geometry(num_layers=8, num_physical_slots=12, num_logical_experts=8)
 

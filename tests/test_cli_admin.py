@@ -10,11 +10,11 @@ from alembic import command
 from cli_ledgers import build, execute, query, run_cli
 from sqlalchemy import create_engine
 
-from layout_ledger import exit_codes
-from layout_ledger.ledger import Ledger
-from layout_ledger.migrate import alembic_config
-from layout_ledger.schema import SCHEMA_HEAD
-from layout_ledger.storage import WriterLock
+from layout_ledger.cli import exit_codes
+from layout_ledger.store.connections import WriterLock
+from layout_ledger.store.ledger import Ledger
+from layout_ledger.store.migrate import alembic_config
+from layout_ledger.store.schema import SCHEMA_HEAD
 
 
 def dump(path: Path) -> dict[str, list[tuple]]:

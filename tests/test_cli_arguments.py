@@ -15,8 +15,9 @@ from cli_ledgers import build, execute, run_cli
 from test_cli_read import clean_history
 
 import layout_ledger
-from layout_ledger import cli, exit_codes
-from layout_ledger.errors import LedgerError
+from layout_ledger.cli import app as cli
+from layout_ledger.cli import exit_codes
+from layout_ledger.core.errors import LedgerError
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import stat
 import pytest
 from cli_ledgers import build, committing_writer, run_cli
 
-from harness.daemon_control import EngineStandIn, start_daemon
-from layout_ledger import exit_codes
-from layout_ledger.schema import SCHEMA_HEAD
+from layout_ledger.cli import exit_codes
+from layout_ledger.store.schema import SCHEMA_HEAD
+from sglang_integration.testing.daemon_control import EngineStandIn, start_daemon
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -9,8 +9,8 @@ import time
 import pytest
 from cli_ledgers import committing_writer, run_cli
 
-from layout_ledger import exit_codes
-from layout_ledger.layout import layout_digest
+from layout_ledger.cli import exit_codes
+from layout_ledger.core.layout import layout_digest
 
 
 @pytest.mark.timeout(180)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from cli_ledgers import build, execute, run_cli
 
-from layout_ledger import exit_codes
-from layout_ledger.cli import COMMANDS
+from layout_ledger.cli import exit_codes
+from layout_ledger.cli.app import COMMANDS
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("layout-ledger")
 

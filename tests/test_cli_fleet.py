@@ -17,10 +17,10 @@ import pytest
 from cli_ledgers import build, execute, run_cli
 from engine_ledgers import EngineLedgers, this_host
 
-from harness.daemon_control import EngineStandIn, start_daemon
-from layout_ledger import exit_codes
-from layout_ledger.agreement import FindingKind, decide
-from layout_ledger.fleet import collect_fleet
+from layout_ledger.cli import exit_codes
+from layout_ledger.cli.fleet import collect_fleet
+from layout_ledger.core.startup_verdict import FindingKind, decide
+from sglang_integration.testing.daemon_control import EngineStandIn, start_daemon
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -24,13 +24,14 @@ from cli_ledgers import run_cli
 from engine_ledgers import GEOMETRY, EngineLedgers, this_host
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness.daemon_control import EngineStandIn, start_daemon
-from layout_ledger import exit_codes, snapshot
-from layout_ledger.layout import trivial_map
-from layout_ledger.ledger import Ledger
-from layout_ledger.metrics import collect_metrics, exposition
-from layout_ledger.origin import IncarnationOrigin
-from sglang_integration import client
+from layout_ledger.cli import exit_codes
+from layout_ledger.cli.metrics import collect_metrics, exposition
+from layout_ledger.core.layout import trivial_map
+from layout_ledger.history import overview as snapshot
+from layout_ledger.store.ledger import Ledger
+from layout_ledger.store.origin import IncarnationOrigin
+from sglang_integration.engine import client
+from sglang_integration.testing.daemon_control import EngineStandIn, start_daemon
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -172,7 +173,7 @@ def test_only_metrics_imports_prometheus_client_and_without_it_metrics_says_how_
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     script = (
         "import sys\n"
-        "from layout_ledger.cli import main\n"
+        "from layout_ledger.cli.app import main\n"
         f"code = main(['fleet', {str(engine.paths[0])!r}, '--json'])\n"
         "assert code == 0, code\n"
         "assert 'prometheus_client' not in sys.modules, 'fleet imported prometheus_client'\n"
@@ -240,7 +241,7 @@ def test_serve_exports_metrics_over_http_re_reading_the_ledgers_on_each_scrape(t
         [
             sys.executable,
             "-m",
-            "layout_ledger.cli",
+            "layout_ledger.cli.app",
             "metrics",
             "--serve",
             f"127.0.0.1:{port}",

@@ -7,10 +7,10 @@ import json
 import pytest
 from cli_ledgers import MOVES, build, map_after, run_cli
 
-from layout_ledger import exit_codes
-from layout_ledger.layout import layout_digest
-from layout_ledger.reader import LedgerReader
-from layout_ledger.report import collect_diff
+from layout_ledger.cli import exit_codes
+from layout_ledger.cli.report import collect_diff
+from layout_ledger.core.layout import layout_digest
+from layout_ledger.history.reader import LedgerReader
 
 matplotlib_image = pytest.importorskip("matplotlib.image", reason="plot needs the [plot] extra")
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from cli_ledgers import MOVES, at, build, map_after, run_cli
 
-from layout_ledger import exit_codes
-from layout_ledger.layout import layout_digest, trivial_map
-from layout_ledger.reader import LedgerReader
+from layout_ledger.cli import exit_codes
+from layout_ledger.core.layout import layout_digest, trivial_map
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.wire.protocol import LayoutView
 
 INITIAL = trivial_map(4, 6, 4)
 
@@ -130,7 +131,7 @@ def test_status_json_carries_the_protocol_layout_state_without_the_map(ledgers, 
     assert out == json.dumps(status, sort_keys=True, indent=2) + "\n"
     with LedgerReader(ledgers[kind]) as reader:
         state = reader.state()
-    protocol = state.view().to_wire()
+    protocol = LayoutView.of(state).to_wire()
     del protocol["physical_to_logical_map"]
     assert {key: status[key] for key in protocol} == protocol
     assert status["incarnation_id"] == state.incarnation_id

@@ -24,10 +24,10 @@ import pytest
 from cli_ledgers import MOVES, build, map_after, run_cli
 from test_updater_shared_experts import write_tiny_moe_config
 
-from layout_ledger import exit_codes
-from layout_ledger.reader import LedgerReader
-from layout_ledger.report import format_physical_to_logical_map
-from layout_ledger.sglang_env import QUIET_SGLANG_ENV
+from layout_ledger.cli import exit_codes
+from layout_ledger.cli.report import format_physical_to_logical_map
+from layout_ledger.history.reader import LedgerReader
+from sglang_integration.testing.sglang_env import QUIET_SGLANG_ENV
 
 rng = random.Random(5)
 RANDOM_MAP = [[rng.randrange(16) for _ in range(24)] for _ in range(5)]
@@ -60,7 +60,7 @@ SGLANG_SCRIPT = textwrap.dedent(
         )
         results["formats"].append(format_expert_location_layout(metadata, layer_ids))
 
-    from layout_ledger.cli import main
+    from layout_ledger.cli.app import main
 
     def run(argv):
         out, err = io.StringIO(), io.StringIO()
@@ -71,8 +71,8 @@ SGLANG_SCRIPT = textwrap.dedent(
     results["check"] = run(work["check"])
     results["wrong_model"] = run(work["wrong_model"])
 
-    from layout_ledger.layout import Geometry
-    from layout_ledger.sglang_export_check import check_export
+    from layout_ledger.core.layout import Geometry
+    from layout_ledger.cli.sglang_export_check import check_export
 
     tampered = json.loads(open(work["exported"]).read())["physical_to_logical_map"]
     tampered[2][5] = (tampered[2][5] + 1) % 4
@@ -176,7 +176,7 @@ def test_export_check_names_the_first_slot_where_sglangs_map_differs(sglang_run)
 NO_SGLANG_SCRIPT = textwrap.dedent(
     """
     import json, sys
-    from layout_ledger.cli import main
+    from layout_ledger.cli.app import main
 
     codes = [main(argv) for argv in json.loads(sys.argv[1])]
     heavy = sorted(name for name in ("sglang", "torch") if name in sys.modules)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from cli_ledgers import at, build, execute, run_cli
 
-from layout_ledger import exit_codes
+from layout_ledger.cli import exit_codes
 
 EVIL_ENGINE = "engine-a\n\x1b[2J\x1b[8m"
 EVIL_ENGINE_SHOWN = "engine-a\\n\\x1b[2J\\x1b[8m"

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from cli_ledgers import MOVES, build, execute, map_after, run_cli
 
-from layout_ledger import exit_codes
-from layout_ledger.layout import layout_digest
-from layout_ledger.schema import SCHEMA_HEAD
+from layout_ledger.cli import exit_codes
+from layout_ledger.core.layout import layout_digest
+from layout_ledger.store.schema import SCHEMA_HEAD
 
 
 @pytest.mark.parametrize("kind", ["clean", "dirty", "mid_move", "refusals"])

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 from test_engine_startup_hook import model_less_daemon, scripted_peer
 
-from layout_ledger import protocol
-from layout_ledger.protocol import LayoutView, Outcome, PendingMove, ProtocolViolation
-from sglang_integration import client
+from layout_ledger.core.state import PendingMove
+from layout_ledger.wire import protocol
+from layout_ledger.wire.protocol import LayoutView, Outcome, ProtocolViolation
+from sglang_integration.engine import client
 
 
 def reply_with(body: Any) -> Any:

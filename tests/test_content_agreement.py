@@ -1,4 +1,5 @@
-"""The engine ranks' content decisions (``layout_ledger.content_agreement``), as pure functions.
+"""The engine ranks' content decisions (``sglang_integration.engine.content_decisions``), as pure
+functions.
 
 Two EP ranks of 6 slots each (8 experts, slots 8-11 replicate 0-3). Each rank's daemon answered
 the content check with a ``ContentView``; the decisions must name what stops a repair or a start.
@@ -9,9 +10,12 @@ from __future__ import annotations
 import pytest
 from content_support import Slots, expert_fingerprint, half_and_half
 
-from layout_ledger.agreement import FailStartup, FindingKind, RankFinding
-from layout_ledger.content import ExpertContents
-from layout_ledger.content_agreement import (
+from layout_ledger.core.content import ExpertContents
+from layout_ledger.core.layout import layout_digest, trivial_map
+from layout_ledger.core.startup_verdict import FailStartup, FindingKind, RankFinding
+from layout_ledger.core.state import PendingMove
+from layout_ledger.wire.protocol import ContentView
+from sglang_integration.engine.content_decisions import (
     ContentKind,
     NoContentCheck,
     RankContent,
@@ -20,8 +24,6 @@ from layout_ledger.content_agreement import (
     loaded_slot_problems,
     plan_repair,
 )
-from layout_ledger.layout import layout_digest, trivial_map
-from layout_ledger.protocol import ContentView, PendingMove
 
 LAYERS, SLOTS, EXPERTS = 4, 12, 8
 BASE = trivial_map(LAYERS, SLOTS, EXPERTS)

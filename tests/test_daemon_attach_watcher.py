@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sglang_integration.attach_watcher import EOF_REASON, AttachWatcher, WatcherStopped
+from sglang_integration.daemon.attach_watcher import EOF_REASON, AttachWatcher, WatcherStopped
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,20 +17,25 @@ from typing import Any
 
 import pytest
 
-from harness.daemon_control import DaemonProcess, EngineStandIn, request, start_daemon
-from harness.shared_experts import (
+from layout_ledger.core.layout import trivial_map
+from layout_ledger.wire import protocol as msg
+from layout_ledger.wire.protocol import Outcome
+from sglang_integration.content.fingerprints import fingerprint_hex, fingerprint_slots
+from sglang_integration.engine import client
+from sglang_integration.testing.daemon_control import (
+    DaemonProcess,
+    EngineStandIn,
+    request,
+    start_daemon,
+)
+from sglang_integration.testing.expert_files import map_expert_files
+from sglang_integration.testing.shared_experts import (
     ExpertTensorShape,
     SharedExperts,
     attach_shared_experts,
     create_shared_experts,
     expert_values,
 )
-from layout_ledger import protocol as msg
-from layout_ledger.layout import trivial_map
-from layout_ledger.protocol import Outcome
-from sglang_integration import client
-from sglang_integration.fingerprints import fingerprint_hex, fingerprint_slots
-from sglang_integration.testing.expert_files import map_expert_files
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -276,10 +281,10 @@ def _load_hook_check(directory: str) -> None:
         _use_sglangs_cpu_platform,
     )
 
-    from harness.daemon_control import redirect_output
-    from layout_ledger.layout import Geometry
-    from sglang_integration import daemon_hooks
+    from layout_ledger.core.layout import Geometry
+    from sglang_integration.daemon import hooks as daemon_hooks
     from sglang_integration.testing.daemon import build_model_less_daemon, model_less_cache_config
+    from sglang_integration.testing.daemon_control import redirect_output
 
     root = Path(directory)
     redirect_output(str(root / "child.log"))

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from cli_ledgers import run_cli
 
-from harness.daemon_control import EngineStandIn, request, start_daemon
-from layout_ledger import exit_codes
-from layout_ledger import protocol as msg
+from layout_ledger.cli import exit_codes
+from layout_ledger.wire import protocol as msg
+from sglang_integration.testing.daemon_control import EngineStandIn, request, start_daemon
 
 pytestmark = pytest.mark.timeout(120)
 

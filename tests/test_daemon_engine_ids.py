@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.daemon_control import DaemonProcess, request, send_raw, start_daemon
-from layout_ledger import protocol as msg
-from layout_ledger.errors import InvalidRequest
-from layout_ledger.rules import MAX_ENGINE_ID, check_request_engine_id, shown_engine_id
+from layout_ledger.core.errors import InvalidRequest
+from layout_ledger.core.rules import MAX_ENGINE_ID, check_request_engine_id, shown_engine_id
+from layout_ledger.wire import protocol as msg
+from sglang_integration.testing.daemon_control import DaemonProcess, request, send_raw, start_daemon
 
 FORGING = "engine-a\nstate: clean\x1b[0m\x1b[2K"
 UNPRINTABLE = [

@@ -5,7 +5,7 @@ ledger) runs in its own process, with one engine attached from this process and 
 layers [0, 1] pending at version 1. Hypothesis then sends at least 2,000 requests that must all
 fail: wrong types, missing fields, unknown types, huge layer lists, oversized engine ids,
 commits with broken rows, fetches the layout check must refuse, pickles of arbitrary objects
-and raw garbage bytes (the strategies are ``harness.fuzz_requests``, which
+and raw garbage bytes (the strategies are ``sglang_integration.testing.fuzz_requests``, which
 ``scripts/fuzz_daemon.py`` also draws from). Afterwards:
 
 - the daemon still answers ``ping``, and the engine is still attached with the same move pending
@@ -32,14 +32,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.daemon_control import (
+from layout_ledger.wire import protocol as msg
+from sglang_integration.engine import client
+from sglang_integration.testing.daemon_control import (
     DaemonProcess,
     request,
     send_raw,
     start_daemon,
 )
-from harness.daemon_fuzz import run_fuzz
-from harness.fuzz_requests import (
+from sglang_integration.testing.daemon_fuzz import run_fuzz
+from sglang_integration.testing.fuzz_requests import (
     HOLDER,
     LAYERS,
     LOGICAL,
@@ -47,8 +49,6 @@ from harness.fuzz_requests import (
     PHYSICAL,
     requests_strategy,
 )
-from layout_ledger import protocol as msg
-from sglang_integration import client
 
 pytestmark = pytest.mark.timeout(240)
 

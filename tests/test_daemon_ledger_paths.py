@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Retention
-from sglang_integration import ledger_paths
-from sglang_integration.daemon import add_ledger_args
-from sglang_integration.ledger_paths import LedgerSettingError
+from layout_ledger.store.retention import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Retention
+from sglang_integration.daemon import ledger_paths
+from sglang_integration.daemon.launcher import add_ledger_args
+from sglang_integration.daemon.ledger_paths import LedgerSettingError
 
 SOCKET_ENV = "SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"
 
@@ -136,7 +136,7 @@ def test_the_request_timeout_is_5_s_unless_the_launcher_flag_or_env_var_says_oth
 def test_the_launcher_refuses_a_bad_ledger_template_before_starting_anything(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from sglang_integration.daemon import main
+    from sglang_integration.daemon.launcher import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--model-path", "m", "--expert-layout-ledger", "/var/lib/one-ledger.sqlite"])

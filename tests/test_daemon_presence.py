@@ -18,17 +18,17 @@ from typing import Any
 
 import pytest
 
-from harness.daemon_control import (
+from layout_ledger.core.layout import layout_digest, trivial_map
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.wire import protocol as msg
+from layout_ledger.wire.protocol import Outcome
+from sglang_integration.engine import client
+from sglang_integration.testing.daemon_control import (
     DaemonProcess,
     EngineStandIn,
     request,
     start_daemon,
 )
-from layout_ledger import protocol as msg
-from layout_ledger.layout import layout_digest, trivial_map
-from layout_ledger.protocol import Outcome
-from layout_ledger.reader import LedgerReader
-from sglang_integration import client
 
 pytestmark = pytest.mark.timeout(120)
 

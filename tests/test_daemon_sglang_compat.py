@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from harness.daemon_control import (
+from sglang_integration.testing.daemon_control import (
     DaemonProcess,
     request,
     send_raw,

@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from harness.cpu_engine import write_tiny_moe_config
-from harness.daemon_control import process_context, redirect_output
+from sglang_integration.testing.cpu_engine import write_tiny_moe_config
+from sglang_integration.testing.daemon_control import process_context, redirect_output
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -130,13 +130,11 @@ def _registration_check(directory: str) -> None:
 def test_importing_the_plugin_registers_nothing_and_register_declares_every_hook(
     tmp_path: Path,
 ) -> None:
-    from sglang_integration import (
-        daemon_hooks,
-        engine_startup,
-        loaded_content,
-        loader_hooks,
-        rebalance,
-    )
+    from sglang_integration.daemon import hooks as daemon_hooks
+    from sglang_integration.engine import ipc_loader as loader_hooks
+    from sglang_integration.engine import load_check as loaded_content
+    from sglang_integration.engine import rebalance
+    from sglang_integration.engine import startup as engine_startup
 
     result = run_isolated(_registration_check, tmp_path)
     assert result["after_import"] == []
@@ -161,9 +159,10 @@ def _load_and_spawn_check(directory: str) -> None:
     )
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from layout_ledger.layout import Geometry
-    from layout_ledger.reader import LedgerReader, incarnation
-    from sglang_integration import daemon_hooks
+    from layout_ledger.core.layout import Geometry
+    from layout_ledger.history.reader import LedgerReader
+    from layout_ledger.store.rows import incarnation
+    from sglang_integration.daemon import hooks as daemon_hooks
     from sglang_integration.testing.daemon import build_model_less_daemon, model_less_cache_config
 
     server_args = _server_args(root, enable_eplb=True)
@@ -273,8 +272,8 @@ def _no_eplb_check(directory: str) -> None:
     os.environ["SGLANG_EXPERT_LAYOUT_LEDGER_TEMPLATE"] = (
         f"{directory}/ledger-{{device_uuid}}.sqlite"
     )
-    from layout_ledger.layout import Geometry
-    from sglang_integration import daemon_hooks
+    from layout_ledger.core.layout import Geometry
+    from sglang_integration.daemon import hooks as daemon_hooks
     from sglang_integration.testing.daemon import build_model_less_daemon, model_less_cache_config
 
     server_args = _server_args(root, enable_eplb=False)

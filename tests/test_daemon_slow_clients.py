@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.daemon_control import DaemonProcess, request, start_daemon
-from layout_ledger import protocol as msg
-from sglang_integration import client, ledger_paths
+from layout_ledger.wire import protocol as msg
+from sglang_integration.daemon import ledger_paths
+from sglang_integration.engine import client
 from sglang_integration.testing.daemon import parse_args
+from sglang_integration.testing.daemon_control import DaemonProcess, request, start_daemon
 
 pytestmark = pytest.mark.timeout(120)
 

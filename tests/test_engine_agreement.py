@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from layout_ledger.agreement import (
+from layout_ledger.core.layout import layout_digest, trivial_map
+from layout_ledger.core.startup_verdict import (
     AdoptLayout,
     FailStartup,
     FindingKind,
@@ -17,7 +18,6 @@ from layout_ledger.agreement import (
     RankFinding,
     decide,
 )
-from layout_ledger.layout import layout_digest, trivial_map
 
 INITIAL = trivial_map(3, 10, 8)
 INITIAL_DIGEST = layout_digest(INITIAL)

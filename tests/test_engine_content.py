@@ -19,7 +19,7 @@ import pytest
 
 from demo_cases import DemoConfig, Workspace
 from demo_cases.workspace import held_map, matching, query_daemons, wait_for_daemons
-from harness.shared_experts import attach_shared_experts, expert_values
+from sglang_integration.testing.shared_experts import attach_shared_experts, expert_values
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -9,7 +9,7 @@ the three attributes the method and the hook read (``is_draft_worker``, ``model_
 distribution recorder that the original method builds allocates its counters on the CPU
 instead of the accelerator (see ``_rank_main``).
 
-Processes come from the forkserver of ``harness.cpu_engine`` that has
+Processes come from the forkserver of ``sglang_integration.testing.cpu_engine`` that has
 imported sglang once (``sglang_context``), so a rank or a daemon starts in about a second
 instead of paying sglang's ~12 s import each time; each child still publishes its own config,
 and nothing of sglang runs in the pytest process.
@@ -37,15 +37,15 @@ from typing import Any
 
 import pytest
 
-from harness.cpu_engine import (
+from layout_ledger.core.layout import layout_digest, trivial_map
+from layout_ledger.wire import protocol
+from sglang_integration.testing.cpu_engine import (
     LogCapture,
     free_port,
     write_tiny_moe_config,
 )
-from harness.daemon_control import DaemonProcess
-from layout_ledger import protocol
-from layout_ledger.layout import layout_digest, trivial_map
-from layout_ledger.sglang_env import QUIET_SGLANG_ENV
+from sglang_integration.testing.daemon_control import DaemonProcess
+from sglang_integration.testing.sglang_env import QUIET_SGLANG_ENV
 
 NUM_LAYERS = 3
 NUM_LOGICAL = 8
@@ -55,7 +55,7 @@ NUM_SLOTS = NUM_LOGICAL + NUM_REDUNDANT
 
 def sglang_context() -> Any:
     """The shared forkserver context, its server preloading the daemon and the engine side."""
-    from harness.cpu_engine import engine_process_context
+    from sglang_integration.testing.cpu_engine import engine_process_context
 
     return engine_process_context()
 
@@ -88,8 +88,7 @@ def write_tiny_dense_config(directory: Path) -> Path:
 
 def _serve_daemon_stating(argv: list[str], cache_config: dict[str, Any], log_path: str) -> None:
     """Forkserver child: the model-less daemon's ``main``, stating ``cache_config``."""
-    from harness import daemon_control
-    from sglang_integration.testing import daemon
+    from sglang_integration.testing import daemon, daemon_control
 
     daemon_control.redirect_output(log_path)
     daemon.model_less_cache_config = lambda geometry: cache_config
@@ -110,7 +109,7 @@ def model_less_daemon(
     own daemon). With ``cache_config`` it states that ``CacheConfig`` instead of its model-less
     one, so that a real engine's ``fetch_state`` passes the config check.
     """
-    from harness.daemon_control import (
+    from sglang_integration.testing.daemon_control import (
         daemon_argv,
         start_daemon,
         wait_until_serving,
@@ -221,7 +220,7 @@ def _fetch(scenario: dict[str, Any], rank: int, model_config: Any) -> dict[str, 
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.weight_cache.ipc_loader import IpcModelLoader
 
-    from sglang_integration.weight_source import weight_source
+    from sglang_integration.engine.weight_source import weight_source
 
     how = scenario["fetch"]
     loader_class = IpcModelLoader
@@ -260,8 +259,9 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.runtime_context import SpawnRanks, get_resources, publish
 
-    from sglang_integration import engine_startup, weight_source
-    from sglang_integration.expert_metadata import map_of
+    from sglang_integration.engine import startup as engine_startup
+    from sglang_integration.engine import weight_source
+    from sglang_integration.engine.metadata import map_of
 
     engine_startup.close_session()
     weight_source._ThisRank.source = None
@@ -325,7 +325,8 @@ def _rank_main(
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.runtime_context import SpawnRanks, publish
 
-    from sglang_integration import engine_startup, loader_hooks
+    from sglang_integration.engine import ipc_loader as loader_hooks
+    from sglang_integration.engine import startup as engine_startup
 
     expert_distribution.get_device = lambda device_id=None: "cpu"
     capture = LogCapture()

@@ -4,7 +4,7 @@ Each rank is a fresh process with sglang's real world group on gloo, calling sgl
 (hooked) ``ModelRunner.maybe_init_expert_location_metadata`` (``EngineRanks`` in
 tests/test_engine_startup_hook.py); each has its own model-less daemon (sglang's real
 ``WeightCacheDaemon`` serve loop with the plugin's daemon hooks and a ledger,
-``harness.daemon_control.start_daemon``). Daemon states come from what a
+``sglang_integration.testing.daemon_control.start_daemon``). Daemon states come from what a
 real engine does: another engine attached to the same daemon (``EngineStandIn``, a separate
 process) begins and commits moves, holds a move pending, or is killed with SIGKILL mid-move.
 
@@ -30,14 +30,14 @@ from test_engine_startup_hook import (
     warnings_of,
 )
 
-from harness.cpu_engine import write_tiny_moe_config
-from harness.daemon_control import (
+from layout_ledger.core.layout import layout_digest, trivial_map
+from sglang_integration.engine import client
+from sglang_integration.testing.cpu_engine import write_tiny_moe_config
+from sglang_integration.testing.daemon_control import (
     DaemonProcess,
     EngineStandIn,
     start_daemon,
 )
-from layout_ledger.layout import layout_digest, trivial_map
-from sglang_integration import client
 
 NUM_REDUNDANT = 4  # 12 slots: divisible by EP 2 and EP 4
 NUM_SLOTS = NUM_LOGICAL + NUM_REDUNDANT

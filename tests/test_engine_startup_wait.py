@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from test_engine_startup_hook import scripted_peer
 
-from layout_ledger import protocol
-from layout_ledger.agreement import FindingKind
-from layout_ledger.layout import layout_digest, trivial_map
-from sglang_integration import engine_startup
+from layout_ledger.core.layout import layout_digest, trivial_map
+from layout_ledger.core.startup_verdict import FindingKind
+from layout_ledger.wire import protocol
+from sglang_integration.engine import startup as engine_startup
 
 MAP = trivial_map(3, 10, 8)
 

@@ -1,5 +1,6 @@
-"""Slot fingerprints (``sglang_integration.fingerprints``): exact, device-local, and able to tell
-a slot holding the named expert from one holding another, a half-overwritten one and a zero one."""
+"""Slot fingerprints (``sglang_integration.content.fingerprints``): exact, device-local, and able
+to tell a slot holding the named expert from one holding another, a half-overwritten one and a zero
+one."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_integration import fingerprints as fp
-from sglang_integration.fingerprints import fingerprint_hex, fingerprint_slots
+from sglang_integration.content import fingerprints as fp
+from sglang_integration.content.fingerprints import fingerprint_hex, fingerprint_slots
 
 SLOTS = 6
 
@@ -156,8 +157,9 @@ def test_another_process_computes_the_same_fingerprints(tmp_path):
     path = tmp_path / "layer.pt"
     torch.save(tensors, path)
     code = (
-        "import json, sys, torch; from sglang_integration.fingerprints import fingerprint_slots, "
-        "fingerprint_hex; t = torch.load(sys.argv[1]); "
+        "import json, sys, torch\n"
+        "from sglang_integration.content.fingerprints import fingerprint_slots, fingerprint_hex\n"
+        "t = torch.load(sys.argv[1])\n"
         f"print(json.dumps(fingerprint_hex(fingerprint_slots(t, {SLOTS}))))"
     )
     output = subprocess.run(

@@ -41,7 +41,7 @@ from gpu_single.fingerprint_stage import (
 from gpu_single.geometry import small_geometry
 from gpu_single.moves import demo_case1_moves
 from gpu_single.standin_framing import recv_msg, send_msg
-from layout_ledger.layout import validate_map
+from layout_ledger.core.layout import validate_map
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check_single.sh"
@@ -102,7 +102,9 @@ def test_cpu_path_shares_experts_by_torch_ipc_and_b_adopts_the_ledger_with_sglan
     layer = _stage(document, "1 deepseek-v3-layer")
     assert _measured(layer, "B: slots holding the expert") == "36/36"
     fingerprints = _stage(document, "2 fingerprints")
-    assert fingerprints["status"] == "ran"  # sglang_integration.fingerprints, on this device
+    assert (
+        fingerprints["status"] == "ran"
+    )  # sglang_integration.content.fingerprints, on this device
     assert _failed_rows(document) == []
     assert "checks held" in output
 
@@ -207,7 +209,7 @@ def test_a_move_in_place_leaves_every_slot_holding_its_new_expert_whole() -> Non
 def test_fingerprint_stage_finds_the_function_sglang_integration_provides(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from sglang_integration.fingerprints import fingerprint_slots as provided
+    from sglang_integration.content.fingerprints import fingerprint_slots as provided
 
     assert find_fingerprint_function() is provided
     monkeypatch.setitem(sys.modules, FINGERPRINT_MODULE, None)  # an older version: none

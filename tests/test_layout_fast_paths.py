@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layout_ledger.errors import InvalidRequest
-from layout_ledger.layout import (
+from layout_ledger.core.errors import InvalidRequest
+from layout_ledger.core.layout import (
     Geometry,
     compact_json,
     layout_digest,

@@ -12,10 +12,10 @@ import sqlite3
 import pytest
 from ledger_support import SMALL, open_ledger, random_row, start
 
-from layout_ledger import protocol as msg
-from layout_ledger.layout import Geometry, trivial_map
-from layout_ledger.reader import LedgerReader
-from layout_ledger.service import LayoutService
+from layout_ledger.core.layout import Geometry, trivial_map
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.wire import protocol as msg
+from layout_ledger.wire.service import LayoutService
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def _fill_the_disk(ledger) -> None:
 
 
 def _wire_state(ledger) -> dict:
-    return _on_disk(ledger).view().to_wire()
+    return msg.LayoutView.of(_on_disk(ledger)).to_wire()
 
 
 def test_when_the_ledger_cannot_persist_a_change_the_daemons_answers_show_what_the_file_holds(

@@ -17,11 +17,11 @@ from content_support import Slots, expert_fingerprint, half_and_half
 from ledger_support import SMALL, open_ledger, random_row, table_dump
 from test_ledger_one_rulebook import _views
 
-from layout_ledger import errors
-from layout_ledger.layout import trivial_map
-from layout_ledger.reader import LedgerReader
-from layout_ledger.state import LayoutState
-from layout_ledger.verify import collect_verify
+from layout_ledger.core import errors
+from layout_ledger.core.layout import trivial_map
+from layout_ledger.core.state import LayoutState
+from layout_ledger.history.checks import collect_verify
+from layout_ledger.history.reader import LedgerReader
 
 ALL = SMALL.num_physical_slots  # one daemon holding all 12 slots (slots 8-11 replicate 0-3)
 
@@ -58,7 +58,7 @@ def _agree(ledger, record, name: str) -> None:
     with LedgerReader(ledger.path) as reader:
         replayed = reader.state()
         report = collect_verify(reader)
-    live = record.snapshot()
+    live = record.state()
     assert replayed == live, name
     assert _views(ledger.path, record.incarnation_id) == _as_views_show(live), name
     assert report.ok, (name, report.first_inconsistency)
@@ -122,7 +122,7 @@ def test_a_load_whose_replicas_differ_refuses_fetch_and_begin_naming_layer_and_s
     with pytest.raises(errors.LayoutDirty, match="slot 10 zero-filled"):
         record.begin("A", 0, [1])
     with pytest.raises(errors.NotRepairable, match="restart the daemon"):
-        record.repair("A", {5: initial[5]}, {}, slots.fingerprints())
+        record.repair("A", {5: initial[5]}, {}, slots.fingerprints)
     _agree(ledger, record, "content dirty at load")
     view = _views(ledger.path, record.incarnation_id)
     assert view["dirty"] == (None, (5,), 0)
@@ -163,10 +163,10 @@ def test_a_commit_whose_slots_hold_other_experts_marks_the_daemon_dirty_after_it
 def test_content_that_moved_without_a_commit_marks_a_clean_daemon_dirty(tmp_path):
     ledger = open_ledger(tmp_path / "l.sqlite")
     record, slots = _start(ledger)
-    view = record.content_check(slots.fingerprints())
+    view = record.content_check(slots.fingerprints)
     assert not view.dirty and view.recorded == view.current
     slots.move(4, 7, 2)  # an engine without the plugin moved expert 2 into slot 7
-    view = record.content_check(slots.fingerprints())
+    view = record.content_check(slots.fingerprints)
     assert view.dirty and record.dirty is not None
     assert "layer 4 slot 7: expert 7 by the record, holds expert 2" in view.dirty_reason
     assert view.dirty_move is None
@@ -179,9 +179,9 @@ def test_the_content_check_skips_the_layers_a_move_is_changing(tmp_path):
     record.attach("A")
     record.begin("A", 0, [1])
     slots.move(1, 0, 3)  # the move is under way
-    assert not record.content_check(slots.fingerprints()).dirty
+    assert not record.content_check(slots.fingerprints).dirty
     assert record.detach("A") is not None  # A died mid-move
-    view = record.content_check(slots.fingerprints())
+    view = record.content_check(slots.fingerprints)
     assert view.dirty_move is not None and view.dirty_move.layers == (1,)
     _agree(ledger, record, "dirty by a mover, checked")
 
@@ -199,7 +199,7 @@ def test_a_repair_records_the_held_layout_as_a_new_version_and_clears_the_dirty_
     record.attach("B")
     rows = {2: held, 6: list(record.physical_to_logical_map()[6])}
     fingerprints = {layer: list(slots.held[layer]) for layer in rows}
-    version, digest = record.repair("B", rows, fingerprints, slots.fingerprints())
+    version, digest = record.repair("B", rows, fingerprints, slots.fingerprints)
     assert (version, digest, record.dirty) == (2, record.digest, None)
     assert record.physical_to_logical_map()[2] == held
     _agree(ledger, record, "repaired")
@@ -269,7 +269,7 @@ def test_a_repair_is_refused_and_changes_nothing_unless_the_daemon_sees_the_same
     engine, rows, fingerprints, message = _refusal_cases(slots, held, row6)[case]()
     before = table_dump(ledger.path)
     with pytest.raises(errors.RequestRefused, match=message):
-        record.repair(engine, rows, fingerprints, slots.fingerprints())
+        record.repair(engine, rows, fingerprints, slots.fingerprints)
     after = table_dump(ledger.path)
     assert after["versions"] == before["versions"]
     assert [row[3] for row in after["events"][len(before["events"]) :]] == ["repair_refused"]
@@ -282,7 +282,7 @@ def test_a_repair_of_a_daemon_that_is_not_dirty_or_records_no_content_is_refused
     record, slots = _start(ledger)
     record.attach("B")
     with pytest.raises(errors.NothingToRepair):
-        record.repair("B", {0: [0] * ALL}, {}, slots.fingerprints())
+        record.repair("B", {0: [0] * ALL}, {}, slots.fingerprints)
     plain = open_ledger(tmp_path / "plain.sqlite")
     initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
     no_content = plain.start_incarnation(SMALL, initial)
@@ -291,7 +291,7 @@ def test_a_repair_of_a_daemon_that_is_not_dirty_or_records_no_content_is_refused
     with pytest.raises(errors.NoContentRecord, match="records no slot fingerprints"):
         no_content.repair("B", {1: initial[1]}, {1: []}, None)
     with pytest.raises(errors.NoContentRecord):
-        no_content.content_check(Slots(initial, 0, ALL).fingerprints())
+        no_content.content_check(Slots(initial, 0, ALL).fingerprints)
     # identical refusals in a row are one row, counted
     with pytest.raises(errors.NoContentRecord):
         no_content.repair("B", {1: initial[1]}, {1: []}, None)
@@ -313,7 +313,7 @@ def test_prune_keeps_the_fingerprints_of_every_kept_version(tmp_path):
         record.begin("A", record.version, [layer])
         slots.fill(layer, row)
         record.commit("A", {layer: row}, slots.fingerprints)
-    record.content_check(slots.fingerprints())
+    record.content_check(slots.fingerprints)
     assert record.dirty is None
     ledger.prune(2)
     with contextlib.closing(sqlite3.connect(ledger.path)) as conn:
@@ -333,7 +333,7 @@ def test_the_0004_downgrade_drops_the_fingerprints_and_restores_0003s_views(tmp_
     from alembic import command
     from sqlalchemy import create_engine
 
-    from layout_ledger.migrate import alembic_config
+    from layout_ledger.store.migrate import alembic_config
 
     def migrate(path, action, revision: str) -> None:
         engine = create_engine(f"sqlite:///{path}")

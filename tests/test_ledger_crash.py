@@ -21,9 +21,10 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from layout_ledger import reader as r
-from layout_ledger.layout import layout_digest
-from layout_ledger.reader import LedgerReader
+from layout_ledger.core.layout import layout_digest
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.store import rows as r
+from layout_ledger.store.replay import read_state
 
 WRITER = Path(__file__).with_name("ledger_crash_writer.py")
 KILLS = 32
@@ -97,7 +98,7 @@ def check_after_kill(path: Path, lines: list[str], acked_digests: dict[tuple[int
     allowed = [acked] + ([apply(acked, *in_flight)] if in_flight else [])
 
     with LedgerReader(path) as reader, reader.connect() as conn:
-        state = r.read_state(conn, incarnation_id)
+        state = read_state(conn, incarnation_id)
         inc = r.incarnation(conn, incarnation_id)
         versions = conn.exec_driver_sql(
             "SELECT version, digest, layers FROM versions WHERE incarnation_id = ? "

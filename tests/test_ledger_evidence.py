@@ -18,9 +18,10 @@ import pytest
 from cli_ledgers import build, execute, run_cli
 from ledger_support import SMALL, move, open_ledger, random_row, start
 
-from layout_ledger import errors, exit_codes
-from layout_ledger.layout import row_json
-from layout_ledger.reader import LedgerReader
+from layout_ledger.cli import exit_codes
+from layout_ledger.core import errors
+from layout_ledger.core.layout import row_json
+from layout_ledger.history.reader import LedgerReader
 
 
 def _chain_head(path: Path) -> str:
@@ -88,7 +89,7 @@ def test_the_daemon_logs_the_chain_head_with_each_commit(tmp_path, caplog):
     ledger = open_ledger(tmp_path / "l.sqlite")
     record = start(ledger)
     record.attach("A")
-    with caplog.at_level(logging.INFO, logger="layout_ledger.ledger"):
+    with caplog.at_level(logging.INFO, logger="layout_ledger.store.ledger"):
         move(record, "A", [1], random.Random(1))
         head_after_first = _chain_head(ledger.path)
         move(record, "A", [2], random.Random(2))
@@ -103,7 +104,7 @@ def test_the_daemon_logs_the_chain_head_with_each_commit(tmp_path, caplog):
 def test_an_upgraded_older_ledger_gets_its_chain_and_verifies(tmp_path, capsys):
     from sqlalchemy import create_engine
 
-    from layout_ledger.migrate import alembic_config
+    from layout_ledger.store.migrate import alembic_config
 
     path = build("clean", tmp_path / "l.sqlite")
     engine = create_engine(f"sqlite:///{path}")
@@ -195,7 +196,7 @@ def test_the_daemons_retention_skips_rows_that_are_not_what_it_recorded(tmp_path
         f"UPDATE layout_rows SET slots = '{forged}' "
         "WHERE incarnation_id = 1 AND layer = 0 AND version = 2",
     )
-    with caplog.at_level(logging.ERROR, logger="layout_ledger.ledger"):
+    with caplog.at_level(logging.ERROR, logger="layout_ledger.store.ledger"):
         ledger._prune_live_incarnation()
     assert "retention skipped, the rows it would delete are not what the ledger recorded" in (
         caplog.text

@@ -23,10 +23,10 @@ from cli_ledgers import build, run_cli
 from ledger_support import open_ledger, start
 from test_ledger_storage import _hold_writer
 
-from layout_ledger import exit_codes
-from layout_ledger.errors import LedgerFileError
-from layout_ledger.files import ensure_private_directory
-from layout_ledger.reader import LedgerReader
+from layout_ledger.cli import exit_codes
+from layout_ledger.core.errors import LedgerFileError
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.store.files import ensure_private_directory
 
 NOBODY = 65534
 
@@ -98,8 +98,8 @@ def test_a_second_daemon_on_a_bind_mount_of_the_same_file_is_refused(tmp_path):
         result = _in_mount_namespace(
             f"mount --bind {path} {bound}",
             f"""
-            from layout_ledger.errors import LedgerLocked
-            from layout_ledger.ledger import Ledger
+            from layout_ledger.core.errors import LedgerLocked
+            from layout_ledger.store.ledger import Ledger
             try:
                 Ledger.open({str(bound)!r})
             except LedgerLocked as exc:
@@ -176,7 +176,7 @@ def test_the_daemon_tightens_a_loose_ledger_and_its_companions_to_0600_with_one_
     wal = path.with_name(path.name + "-wal")
     wal.write_bytes(b"")
     os.chmod(wal, 0o644)
-    with caplog.at_level(logging.WARNING, logger="layout_ledger.files"):
+    with caplog.at_level(logging.WARNING, logger="layout_ledger.store.files"):
         ledger = open_ledger(path)
     try:
         start(ledger)
@@ -184,7 +184,7 @@ def test_the_daemon_tightens_a_loose_ledger_and_its_companions_to_0600_with_one_
             assert stat.S_IMODE(os.stat(file).st_mode) == 0o600, file
     finally:
         ledger.close()
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == "layout_ledger.files"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "layout_ledger.store.files"]
     assert "l.sqlite was 0644" in warning and "l.sqlite-wal was 0644" in warning
 
 
@@ -255,7 +255,7 @@ def test_read_commands_work_on_a_ledger_on_read_only_media(tmp_path, with_wal):
         f"mount --bind {folder} {folder} && mount -o remount,ro,bind {folder}",
         f"""
         import sys
-        from layout_ledger.cli import main
+        from layout_ledger.cli.app import main
         for command in (["status"], ["verify"], ["history", "--last", "1"], ["show"]):
             code = main([command[0], {str(path)!r}, *command[1:]])
             print("exit", command[0], code, flush=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from ledger_support import SMALL, open_ledger, start
 
-from layout_ledger.layout import trivial_map
+from layout_ledger.core.layout import trivial_map
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

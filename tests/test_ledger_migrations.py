@@ -15,10 +15,10 @@ from alembic.script import ScriptDirectory
 from ledger_support import SMALL, move, open_ledger, start
 from sqlalchemy import create_engine
 
-from layout_ledger.errors import SchemaOutdated, SchemaTooNew
-from layout_ledger.migrate import alembic_config
-from layout_ledger.reader import LedgerReader
-from layout_ledger.schema import KNOWN_REVISIONS, SCHEMA_HEAD, metadata
+from layout_ledger.core.errors import SchemaOutdated, SchemaTooNew
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.store.migrate import alembic_config
+from layout_ledger.store.schema import KNOWN_REVISIONS, SCHEMA_HEAD, metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 VIEWS = {
@@ -186,7 +186,8 @@ def test_an_install_ships_the_migrations_inside_the_ledger_package_not_as_a_top_
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
     script = (
-        "import sys, layout_ledger.migrate as m; from layout_ledger.ledger import Ledger\n"
+        "import sys, layout_ledger.store.migrate as m\n"
+        "from layout_ledger.store.ledger import Ledger\n"
         "assert str(m.migrations_dir()).startswith(sys.argv[1]), m.migrations_dir()\n"
         "Ledger.open(sys.argv[2]).close()\n"
     )

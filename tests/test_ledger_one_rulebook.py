@@ -16,9 +16,9 @@ import sqlite3
 import pytest
 from ledger_support import open_ledger, random_row, start
 
-from layout_ledger import errors
-from layout_ledger.reader import LedgerReader
-from layout_ledger.state import LayoutState
+from layout_ledger.core import errors
+from layout_ledger.core.state import LayoutState
+from layout_ledger.history.reader import LedgerReader
 
 
 def _views(path, incarnation_id: int) -> dict:
@@ -128,7 +128,7 @@ def _dirty_steps(record, rng):
 
 
 def _assert_all_agree(ledger, record, name: str) -> None:
-    live = record.snapshot()
+    live = record.state()
     replayed = _replayed(ledger.path)
     assert replayed == live, name
     assert _views(ledger.path, record.incarnation_id) == _as_views_show(live), name
@@ -154,7 +154,7 @@ def test_the_views_the_replay_and_the_live_record_agree_after_every_transition(t
 
 
 def test_a_pruned_history_still_replays_and_verifies(tmp_path):
-    from layout_ledger.verify import collect_verify
+    from layout_ledger.history.checks import collect_verify
 
     ledger = open_ledger(tmp_path / "l.sqlite")
     record = start(ledger)

@@ -23,13 +23,14 @@ from ledger_support import SMALL, open_ledger, start
 from sqlalchemy import create_engine
 from test_ledger_files import _evidence_copy, _in_mount_namespace, needs_mounts
 
-from harness.daemon_control import start_daemon
-from layout_ledger import exit_codes
-from layout_ledger.layout import trivial_map
-from layout_ledger.migrate import alembic_config
-from layout_ledger.origin import COLUMNS, IncarnationOrigin, installed_version
-from layout_ledger.reader import LedgerReader, incarnations
-from layout_ledger.storage import WriterLock
+from layout_ledger.cli import exit_codes
+from layout_ledger.core.layout import trivial_map
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.store.connections import WriterLock
+from layout_ledger.store.migrate import alembic_config
+from layout_ledger.store.origin import COLUMNS, IncarnationOrigin, installed_version
+from layout_ledger.store.rows import incarnations
+from sglang_integration.testing.daemon_control import start_daemon
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -211,7 +212,7 @@ def test_status_cannot_tell_for_a_ledger_on_read_only_media(tmp_path):
     result = _in_mount_namespace(
         f"mount --bind {folder} {folder} && mount -o remount,ro,bind {folder}",
         f"""
-        from layout_ledger.cli import main
+        from layout_ledger.cli.app import main
         main(["status", {str(path)!r}, "--json"])
         """,
     )

@@ -18,10 +18,10 @@ from ledger_support import (
     table_dump,
 )
 
-from layout_ledger import errors
-from layout_ledger.layout import Geometry, layout_digest, row_json, trivial_map
-from layout_ledger.reader import LedgerReader
-from layout_ledger.record import LayoutRecord
+from layout_ledger.core import errors
+from layout_ledger.core.layout import Geometry, layout_digest, row_json, trivial_map
+from layout_ledger.core.record import LayoutRecord
+from layout_ledger.history.reader import LedgerReader
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ def test_state_rebuilt_from_rows_equals_the_live_record_after_every_transition(l
     for step in steps:
         with contextlib.suppress(errors.RequestRefused):
             step()
-        assert _on_disk(ledger) == record.snapshot()
+        assert _on_disk(ledger) == record.state()
 
 
 BAD_BEGINS = [
@@ -295,7 +295,7 @@ def test_reconstructing_the_current_map_costs_one_seek_per_layer_whatever_the_hi
 ):
     """O(layers): one statement whose plan seeks the layer/version index once per layer and never
     scans layout_rows, so its cost does not grow with the number of versions."""
-    from layout_ledger.reader import _ROWS_AT
+    from layout_ledger.store.rows import _ROWS_AT
 
     rng = random.Random(0)
     for _ in range(200):
@@ -315,5 +315,5 @@ def test_reconstructing_the_current_map_costs_one_seek_per_layer_whatever_the_hi
 
     with LedgerReader(ledger.path) as reader:
         event.listen(reader._engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
-        assert reader.state() == record.snapshot()
+        assert reader.state() == record.state()
     assert sum("FROM layout_rows" in s for s in statements) == 1

@@ -9,16 +9,17 @@ import sqlite3
 import pytest
 from ledger_support import move, open_ledger, start, table_dump
 
-from layout_ledger import maintenance
-from layout_ledger.errors import LedgerError
-from layout_ledger.layout import layout_digest
-from layout_ledger.reader import LedgerReader, map_at
+from layout_ledger.core.errors import LedgerError
+from layout_ledger.core.layout import layout_digest
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.store import maintenance
+from layout_ledger.store.rows import map_at
 
 
 def _kept_versions_verify(path, incarnation_id):
     """Every version the rows still hold rebuilds to the digest recorded when it was committed."""
     with LedgerReader(path) as reader, reader.connect() as conn:
-        from layout_ledger import reader as r
+        from layout_ledger.store import rows as r
 
         inc = r.incarnation(conn, incarnation_id)
         floor = r.reconstructible_from(conn, incarnation_id)
@@ -66,7 +67,7 @@ def test_prune_keeps_the_current_map_every_event_and_the_last_n_versions(tmp_pat
     assert LedgerReader(path).state() == before_state
     assert _kept_versions_verify(path, record.incarnation_id) == (31, 40)
     with LedgerReader(path) as reader, reader.connect() as conn:
-        from layout_ledger import reader as r
+        from layout_ledger.store import rows as r
 
         with pytest.raises(
             LedgerError, match="version 30 is not among them \\(older versions were pruned\\)"
@@ -110,7 +111,7 @@ def test_the_daemon_prunes_by_itself_so_a_long_run_stays_bounded(tmp_path):
 def test_the_daemons_retention_prunes_in_short_steps_whatever_prune_every(tmp_path, monkeypatch):
     """Each retention transaction (one prune event) drops at most PRUNE_STEP_VERSIONS versions,
     so a large --expert-layout-prune-every never holds the writer's lock for long."""
-    from layout_ledger import ledger as ledger_module
+    from layout_ledger.store import ledger as ledger_module
 
     monkeypatch.setattr(ledger_module, "PRUNE_STEP_VERSIONS", 4)
     path = tmp_path / "l.sqlite"
@@ -151,7 +152,7 @@ def test_a_long_lived_reader_cannot_starve_the_wal_unnoticed(tmp_path, monkeypat
     reader.execute("SELECT count(*) FROM events").fetchone()  # holds a snapshot
     for _ in range(30):
         move(record, "A", list(range(8)), rng)
-    with caplog.at_level(logging.WARNING, logger="layout_ledger.maintenance"):
+    with caplog.at_level(logging.WARNING, logger="layout_ledger.store.maintenance"):
         result = ledger.checkpoint(truncate=True)
     assert result.busy or result.checkpointed_frames < result.wal_frames
     assert "a reader has held one snapshot open for a long time" in caplog.text
@@ -180,7 +181,7 @@ def test_a_reader_holding_a_snapshot_never_makes_the_writer_wait_for_a_checkpoin
     reader.execute("BEGIN")
     reader.execute("SELECT count(*) FROM events").fetchone()  # holds a snapshot
     took = []
-    with caplog.at_level(logging.INFO, logger="layout_ledger.maintenance"):
+    with caplog.at_level(logging.INFO, logger="layout_ledger.store.maintenance"):
         for _ in range(40):
             move(record, "A", list(range(8)), rng)
             ledger.maintenance.wait_idle(30)
@@ -231,7 +232,7 @@ def test_busy_writers_and_short_readers_are_never_reported_as_a_pinned_wal(
     readers = [threading.Thread(target=short_reads) for _ in range(2)]
     for thread in readers:
         thread.start()
-    with caplog.at_level(logging.WARNING, logger="layout_ledger.maintenance"):
+    with caplog.at_level(logging.WARNING, logger="layout_ledger.store.maintenance"):
         deadline = time.monotonic() + 4.0
         while time.monotonic() < deadline:
             move(record, "A", list(range(8)), rng)

@@ -13,12 +13,12 @@ import time
 import pytest
 from ledger_support import SMALL, move, open_ledger, start
 
-from layout_ledger.errors import LedgerFileError, LedgerLocked
-from layout_ledger.reader import LedgerReader
+from layout_ledger.core.errors import LedgerFileError, LedgerLocked
+from layout_ledger.history.reader import LedgerReader
 
 HOLD_WRITER = """
 import sys, time
-from layout_ledger.ledger import Ledger
+from layout_ledger.store.ledger import Ledger
 ledger = Ledger.open(sys.argv[1])
 print("open", flush=True)
 time.sleep(600)

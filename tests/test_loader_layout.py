@@ -31,16 +31,16 @@ from test_engine_startup_hook import (
     scripted_peer,
 )
 
-from harness.cpu_engine import write_tiny_moe_config
-from harness.daemon_control import (
+from layout_ledger.core.layout import layout_digest, trivial_map
+from layout_ledger.wire import protocol
+from layout_ledger.wire.protocol import Outcome
+from sglang_integration.engine import client
+from sglang_integration.testing.cpu_engine import write_tiny_moe_config
+from sglang_integration.testing.daemon_control import (
     DaemonProcess,
     EngineStandIn,
     request,
 )
-from layout_ledger import protocol
-from layout_ledger.layout import layout_digest, trivial_map
-from layout_ledger.protocol import Outcome
-from sglang_integration import client
 
 INITIAL = trivial_map(NUM_LAYERS, NUM_SLOTS, NUM_LOGICAL)
 MOVE = {1: [7, 6, 5, 4, 3, 2, 1, 0, 0, 1]}

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from test_engine_startup_hook import sglang_context
 
-from harness.cpu_engine import write_tiny_moe_config
-from layout_ledger.sglang_env import QUIET_SGLANG_ENV
+from sglang_integration.testing.cpu_engine import write_tiny_moe_config
+from sglang_integration.testing.sglang_env import QUIET_SGLANG_ENV
 
 NUM_LAYERS = 3
 NUM_LOGICAL = 8
@@ -147,7 +147,7 @@ def _report_for_model(model_dir: str, map_file: str, results: Any) -> None:
     os.environ.update(QUIET_SGLANG_ENV)
     from sglang.srt.eplb.expert_location import compute_initial_expert_location_metadata
 
-    from sglang_integration.expert_metadata import adopt_map, map_of, metadata_from_map
+    from sglang_integration.engine.metadata import adopt_map, map_of, metadata_from_map
 
     moved = json.loads(Path(map_file).read_text())["physical_to_logical_map"]
     report: dict[str, Any] = {"cases": []}

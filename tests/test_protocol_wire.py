@@ -1,7 +1,7 @@
 """The one wire module: what each side writes is what the other side reads, byte for byte as before.
 
-``layout_ledger.protocol`` defines every shape for both the daemon and the engine; these tests pin
-the dicts it writes (the wire protocol does not change with the code that builds it) and read
+``layout_ledger.wire.protocol`` defines every shape for both the daemon and the engine; these tests
+pin the dicts it writes (the wire protocol does not change with the code that builds it) and read
 each daemon reply back the way the engine does.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from layout_ledger import protocol
-from layout_ledger.layout import Geometry, layout_digest, trivial_map
-from layout_ledger.protocol import Committed, LayoutView, Outcome, PendingMove, Reply
-from layout_ledger.state import DirtyMark, LayoutState
+from layout_ledger.core.layout import Geometry, layout_digest, trivial_map
+from layout_ledger.core.state import DirtyMark, LayoutState, PendingMove
+from layout_ledger.wire import protocol
+from layout_ledger.wire.protocol import Committed, LayoutView, Outcome, Reply
 
 MAP = trivial_map(2, 4, 3)
 DIGEST = layout_digest(MAP)
@@ -34,7 +34,7 @@ def _state(**fields: object) -> LayoutState:
 
 
 def test_the_layout_state_on_the_wire_has_exactly_the_protocol_fields() -> None:
-    assert _state().view().to_wire() == {
+    assert LayoutView.of(_state()).to_wire() == {
         "version": 2,
         "digest": DIGEST,
         "physical_to_logical_map": MAP,
@@ -48,14 +48,14 @@ def test_the_layout_state_on_the_wire_has_exactly_the_protocol_fields() -> None:
 
 def test_a_dirty_state_carries_the_dirty_reason_and_never_the_begin_time() -> None:
     state = _state(pending=None, dirty=DirtyMark(MOVE, at="2026-01-01T00:00:01.000000+00:00"))
-    wire = state.view().to_wire()
+    wire = LayoutView.of(state).to_wire()
     assert wire["dirty"] is True
     assert wire["dirty_reason"] == DirtyMark(MOVE, at="x").reason
     assert MOVE.since is not None and MOVE.since not in repr(wire)
 
 
 def test_the_layout_the_daemon_writes_is_the_layout_the_engine_reads() -> None:
-    wire = protocol.layout_reply(_state().view())
+    wire = protocol.layout_reply(LayoutView.of(_state()))
     assert wire["status"] == protocol.OK
     for request_type in (protocol.ATTACH, protocol.QUERY):
         reply = Reply.from_wire(wire, request_type=request_type, peer="d.sock")

@@ -6,8 +6,13 @@ import socket
 
 import pytest
 
-from layout_ledger import protocol
-from layout_ledger.agreement import (
+from layout_ledger.core.layout import layout_digest, trivial_map
+from layout_ledger.core.startup_verdict import FindingKind
+from layout_ledger.wire import protocol
+from layout_ledger.wire.protocol import Outcome, Reply
+from sglang_integration.engine import client
+from sglang_integration.engine.rebalance import rank_status
+from sglang_integration.engine.rebalance_decisions import (
     REASON_ELASTIC_EP,
     REASON_MIXED_SOURCES,
     REASON_NO_RECORD,
@@ -16,7 +21,6 @@ from layout_ledger.agreement import (
     REASON_UNKNOWN_SOURCE,
     REASON_VERSIONS_DIFFER,
     BeginAction,
-    FindingKind,
     Mode,
     RankLayoutStatus,
     WeightSource,
@@ -24,11 +28,7 @@ from layout_ledger.agreement import (
     decide_begin,
     decide_mode,
 )
-from layout_ledger.layout import layout_digest, trivial_map
-from layout_ledger.protocol import Outcome, Reply
-from sglang_integration import client
-from sglang_integration.engine_startup import EngineLayoutSession
-from sglang_integration.rebalance import rank_status
+from sglang_integration.engine.startup import EngineLayoutSession
 
 WEIGHTS_FROM_DAEMON = WeightSource.DAEMON
 WEIGHTS_FROM_DISK = WeightSource.DISK

@@ -26,17 +26,17 @@ from test_updater_shared_experts import (
     write_tiny_moe_config,
 )
 
-from harness.cpu_engine import (  # routed_map, run_rebalances: re-exported
+from layout_ledger.core.layout import trivial_map
+from sglang_integration.testing.cpu_engine import (  # routed_map, run_rebalances: re-exported
     NoDiskReload,
     routed_map,
     run_rebalances,
 )
-from harness.shared_experts import (
+from sglang_integration.testing.shared_experts import (
     count_matching_slots,
     create_shared_experts,
     read_physical_to_logical_map,
 )
-from layout_ledger.layout import trivial_map
 
 LAYERS_PER_CHUNK = 4  # 8 layers -> 2 chunks per rebalance
 ALL_SLOTS = NUM_LAYERS * SHAPE.num_physical_slots
@@ -72,11 +72,11 @@ def build_rebalancing_engine(
     from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from harness.shared_experts import SharedExpertsModel, attach_shared_experts
-    from harness.synthetic_load import SyntheticLoadRecorder
-    from sglang_integration.engine_startup import start_from_daemon_layout
-    from sglang_integration.rebalance import HOOK_TARGET, rebalance_around
-    from sglang_integration.weight_source import WeightSource, record_weight_source
+    from sglang_integration.engine.rebalance import HOOK_TARGET, rebalance_around
+    from sglang_integration.engine.startup import start_from_daemon_layout
+    from sglang_integration.engine.weight_source import WeightSource, record_weight_source
+    from sglang_integration.testing.shared_experts import SharedExpertsModel, attach_shared_experts
+    from sglang_integration.testing.synthetic_load import SyntheticLoadRecorder
 
     HookRegistry.register(HOOK_TARGET, rebalance_around, HookType.AROUND)
     HookRegistry.apply_hooks()
@@ -108,8 +108,8 @@ def _original_path_rank(
 ) -> None:
     import torch
 
-    from sglang_integration import rebalance
-    from sglang_integration.weight_source import WeightSource, record_weight_source
+    from sglang_integration.engine import rebalance
+    from sglang_integration.engine.weight_source import WeightSource, record_weight_source
 
     mode = "off" if case == "weight_cache_off" else "client"
     manager, model = build_rebalancing_engine(
@@ -166,7 +166,7 @@ def collect(processes: list[Any], results: Any, timeout: float = 200) -> list[di
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", ["weight_cache_off", "weights_from_disk"])
 def test_engine_owned_weights_rebalance_exactly_as_sglang_does(tmp_path: Path, case: str) -> None:
-    from sglang_integration.rebalance import Mode
+    from sglang_integration.engine.rebalance import Mode
 
     processes, results, expert_dir = start_engine(_original_path_rank, tmp_path, case)
     reports = collect(processes, results)

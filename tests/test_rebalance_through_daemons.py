@@ -36,18 +36,18 @@ from test_updater_shared_experts import (
     write_tiny_moe_config,
 )
 
-from harness.daemon_control import (
+from layout_ledger.core.layout import layout_digest, trivial_map
+from sglang_integration.testing.daemon_control import (
     DaemonProcess,
     EngineStandIn,
     process_context,
     start_daemon,
 )
-from harness.shared_experts import (
+from sglang_integration.testing.shared_experts import (
     count_matching_slots,
     create_shared_experts,
     read_physical_to_logical_map,
 )
-from layout_ledger.layout import layout_digest, trivial_map
 
 INITIAL = trivial_map(NUM_LAYERS, SHAPE.num_physical_slots, NUM_LOGICAL)
 CHUNKS_PER_REBALANCE = 2
@@ -74,8 +74,8 @@ def _unattached_engine_fetch(socket_path: str) -> None:
     The daemon serves it (its digest matches) and, unable to tell when it exits, refuses every
     begin from then on.
     """
-    from harness.daemon_control import request
-    from sglang_integration import client
+    from sglang_integration.engine import client
+    from sglang_integration.testing.daemon_control import request
 
     layout = client.query(socket_path).layout
     if layout is None:
@@ -103,7 +103,7 @@ class _CallOrder:
         import torch
         from sglang.srt.eplb import eplb_manager
 
-        from sglang_integration import client
+        from sglang_integration.engine import client
 
         self._note_after(eplb_manager, "update_expert_location_with_recovery", "move")
         self._note_after(torch.cpu, "synchronize", "synchronize")
@@ -147,11 +147,11 @@ def _daemon_engine_rank(
     results: Any,
 ) -> None:
     """Engine A's rank: start on its daemon, then per phase wait for the parent and rebalance."""
-    from sglang_integration.engine_startup import current_session
+    from sglang_integration.engine.startup import current_session
 
     records = _LogRecords()
-    logging.getLogger("sglang_integration.rebalance").addHandler(records)
-    logging.getLogger("sglang_integration.rebalance").setLevel(logging.INFO)
+    logging.getLogger("sglang_integration.engine.rebalance").addHandler(records)
+    logging.getLogger("sglang_integration.engine.rebalance").setLevel(logging.INFO)
     manager, model = build_rebalancing_engine(
         rank,
         port,
@@ -186,8 +186,8 @@ def _run_phase(
     phase_events: dict[str, Any],
     records: _LogRecords,
 ) -> dict[str, Any]:
-    from sglang_integration import client
-    from sglang_integration.rebalance import rebalance_state
+    from sglang_integration.engine import client
+    from sglang_integration.engine.rebalance import rebalance_state
 
     event = phase_events.get(phase)
     if event is not None and not event.wait(120):
@@ -439,7 +439,7 @@ def _lying_proxy(listen_path: str, upstream_path: str, ready: Any) -> None:
 
     from sglang.srt.weight_cache.protocol import recv_msg, send_msg
 
-    from layout_ledger import protocol
+    from layout_ledger.wire import protocol
 
     def relay(conn: socket.socket) -> None:
         with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as upstream:

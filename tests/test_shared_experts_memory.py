@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.shared_experts import (
+from layout_ledger.core.layout import trivial_map
+from sglang_integration.testing.shared_experts import (
     HOLDS_NO_EXPERT,
     ExpertTensorShape,
     SharedExpertsError,
@@ -18,7 +19,6 @@ from harness.shared_experts import (
     read_physical_to_logical_map,
     remove_shared_experts,
 )
-from layout_ledger.layout import trivial_map
 
 SHAPE = ExpertTensorShape(num_layers=8, num_logical_experts=8, num_physical_slots=12, ep_size=2)
 

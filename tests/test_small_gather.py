@@ -10,10 +10,10 @@ from __future__ import annotations
 from multiprocessing.connection import Connection
 from typing import Any
 
-from harness.cpu_engine import free_port, one_result_per_rank
-from layout_ledger.protocol import Outcome, Reply
-from layout_ledger.sglang_env import set_quiet_sglang_env
-from sglang_integration import small_gather
+from layout_ledger.wire.protocol import Outcome, Reply
+from sglang_integration.engine import reply_gather as small_gather
+from sglang_integration.testing.cpu_engine import free_port, one_result_per_rank
+from sglang_integration.testing.sglang_env import set_quiet_sglang_env
 
 
 class _Group:

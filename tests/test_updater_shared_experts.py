@@ -8,7 +8,7 @@ computes from skewed synthetic loads, once plainly and once with
 the moves, and never imports sglang, must see every slot hold the expert the final map names.
 
 The helpers at the top (``write_tiny_moe_config``, ``start_cpu_engine_rank``, ``free_port``, from
-``harness.cpu_engine``, and ``engine_process_context``) are also used by
+``sglang_integration.testing.cpu_engine``, and ``engine_process_context``) are also used by
 tests/test_rebalance_*.py and tests/test_engine_*.py.
 """
 
@@ -20,18 +20,18 @@ from typing import Any
 
 import pytest
 
-from harness.cpu_engine import (  # re-exported for tests/test_engine_*.py
+from layout_ledger.core.layout import trivial_map
+from sglang_integration.testing.cpu_engine import (  # re-exported for tests/test_engine_*.py
     free_port,
     start_cpu_engine_rank,
     write_tiny_moe_config,
 )
-from harness.shared_experts import (
+from sglang_integration.testing.shared_experts import (
     ExpertTensorShape,
     attach_shared_experts,
     count_matching_slots,
     create_shared_experts,
 )
-from layout_ledger.layout import trivial_map
 
 NUM_LAYERS = 8
 NUM_LOGICAL = 8
@@ -62,8 +62,8 @@ def _engine_rank(rank: int, port: int, model_dir: str, expert_dir: str, results:
     )
     from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
 
-    from harness.shared_experts import SharedExpertsModel
-    from harness.synthetic_load import skewed_logical_count
+    from sglang_integration.testing.shared_experts import SharedExpertsModel
+    from sglang_integration.testing.synthetic_load import skewed_logical_count
 
     model_config = start_cpu_engine_rank(
         rank, world_size=EP_SIZE, port=port, model_dir=model_dir, num_redundant=NUM_REDUNDANT

@@ -2,7 +2,7 @@
 
 events gains ``count`` (how many identical refusals the row stands for, 1 for every other
 event), ``last_at`` (the time of the last of them; NULL when count is 1) and ``chain`` (SHA-256
-over the previous row's chain value and this row's fields, ``layout_ledger.chain``), computed
+over the previous row's chain value and this row's fields, ``layout_ledger.store.chain``), computed
 here for the rows an older ledger holds. The ``ledger_events`` view shows the three columns.
 
 Revision ID: 0003_event_counts_and_chain
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from layout_ledger import chain
+from layout_ledger.store import chain
 
 revision: str = "0003_event_counts_and_chain"
 down_revision: str | None = "0002_forensic_views"

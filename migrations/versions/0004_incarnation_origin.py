@@ -2,7 +2,7 @@
 
 incarnations gains ``host``, ``device_uuid``, ``gpu_id``, ``tp_rank``, ``pp_rank``,
 ``ep_rank``, ``pid``, ``socket_path``, ``sglang_version`` and ``plugin_version``
-(``layout_ledger.origin.IncarnationOrigin``), NULL where unknown and for every row an older
+(``layout_ledger.store.origin.IncarnationOrigin``), NULL where unknown and for every row an older
 ledger holds. The ``ledger_incarnations`` view shows them after its earlier columns.
 
 Revision ID: 0004_incarnation_origin

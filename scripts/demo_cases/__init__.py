@@ -2,10 +2,10 @@
 
 Per EP rank a model-less daemon (``sglang_integration.testing.daemon``: sglang's real
 ``WeightCacheDaemon`` serve loop with this plugin's hooks and a ledger) and shared-memory expert
-tensors that every engine maps (``harness.shared_experts``: each expert's bytes carry its
-logical id, so any process can tell which expert a slot holds). Engines of 2 ranks on gloo
-(``harness.cpu_engine``) run sglang's real startup method, ``EPLBManager``, ``init_by_eplb`` and
-``ExpertLocationUpdater``, through the plugin's real hooks.
+tensors that every engine maps (``sglang_integration.testing.shared_experts``: each expert's bytes
+carry its logical id, so any process can tell which expert a slot holds). Engines of 2 ranks on gloo
+(``sglang_integration.testing.cpu_engine``) run sglang's real startup method, ``EPLBManager``,
+``init_by_eplb`` and ``ExpertLocationUpdater``, through the plugin's real hooks.
 
 One module per case (``case1``, ``case2``, ``case3``, ``forensics``), the ``workspace`` they
 run in (temp dirs, processes, cleanup), their ``results``, the model shape (``config``) and the

@@ -20,7 +20,7 @@ from demo_cases.workspace import (
     query_daemons,
     wait_for_daemons,
 )
-from layout_ledger.layout import Map, layout_digest
+from layout_ledger.core.layout import Map, layout_digest
 
 
 def run_case1(workspace: Workspace) -> CaseResult:
@@ -181,7 +181,7 @@ def startup_line(report: dict[str, Any]) -> str | None:
 
 def run_case1_without_plugin(workspace: Workspace, plugin_a_map: Map | None) -> CaseResult:
     """The same run with the plugin disabled: sglang's own daemon and engines, no hook."""
-    from sglang_integration import client
+    from sglang_integration.engine import client
 
     config = workspace.config
     result = CaseResult("Case 1, plugin disabled: the bug (sglang 0.5.23's own behaviour)")

@@ -9,8 +9,8 @@ from typing import Any
 
 from demo_cases.results import CaseResult, both, per_rank, slots
 from demo_cases.workspace import Workspace, held_map, matching, query_daemons
-from harness.cpu_engine import CpuEngine
-from layout_ledger.layout import Map
+from layout_ledger.core.layout import Map
+from sglang_integration.testing.cpu_engine import CpuEngine
 
 
 def run_case2(workspace: Workspace) -> CaseResult:

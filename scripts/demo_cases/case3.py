@@ -12,7 +12,7 @@ from typing import Any
 from demo_cases.config import DemoConfig
 from demo_cases.results import CaseResult, both, per_rank, slots
 from demo_cases.workspace import Workspace, held_map, matching, query_daemons, wait_for_daemons
-from layout_ledger.layout import Map
+from layout_ledger.core.layout import Map
 
 # Engine B of (b) starts as engines did before content checks: it does not repair (case 4 does).
 CONTENT_CHECK_OFF = (("SGLANG_EXPERT_LAYOUT_CONTENT_CHECK", "off"),)

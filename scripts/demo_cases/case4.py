@@ -175,7 +175,7 @@ def _half_written_slot(
 ) -> None:
     """B is SIGKILLed inside its next move; one slot of a pending layer is half overwritten
     with another expert's bytes; C refuses to start, naming it; nothing is recorded."""
-    from harness.shared_experts import attach_shared_experts, expert_values
+    from sglang_integration.testing.shared_experts import attach_shared_experts, expert_values
 
     config = workspace.config
     engine_b.stop_in_move(0)
@@ -220,9 +220,9 @@ def _half_written_slot(
 def _unfilled_replica(workspace: Workspace, result: CaseResult) -> None:
     """A daemon holding every slot (EP 1: two copies of experts 0-3) loads with one replica's
     bytes zero: it refuses fetch_state and begin, naming layer and slots."""
-    from harness.daemon_control import request
-    from harness.shared_experts import attach_shared_experts
-    from sglang_integration import client
+    from sglang_integration.engine import client
+    from sglang_integration.testing.daemon_control import request
+    from sglang_integration.testing.shared_experts import attach_shared_experts
 
     expert_dir = workspace.experts("case4-unfilled", ep_size=1)
     for tensor in attach_shared_experts(expert_dir, 0).tensors:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layout_ledger.layout import Map, trivial_map
+from layout_ledger.core.layout import Map, trivial_map
 
 
 @dataclass(frozen=True)

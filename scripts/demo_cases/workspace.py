@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from demo_cases.config import DemoConfig
-from harness.cpu_engine import (
+from layout_ledger.core.layout import Map
+from sglang_integration.testing.cpu_engine import (
     CpuEngine,
     EngineSpec,
     engine_process_context,
     free_port,
     write_tiny_moe_config,
 )
-from layout_ledger.layout import Map
 
 # How long the parent waits for a daemon to see an engine's EOF (a thread of its own does).
 DETACH_TIMEOUT = 30.0
@@ -94,7 +94,7 @@ class Workspace:
         the forkserver's keep-alive pipe first (``release_forkserver``), so that no daemon
         outlives this process even when it is SIGKILLed.
         """
-        from harness.daemon_control import (
+        from sglang_integration.testing.daemon_control import (
             DaemonProcess,
             daemon_argv,
             wait_until_serving,
@@ -135,7 +135,7 @@ class Workspace:
     def experts(self, case: str, ep_size: int | None = None) -> Path:
         """New shared-memory experts in the daemons' initial layout (a daemon's fresh load), of
         ``ep_size`` ranks (the config's by default)."""
-        from harness.shared_experts import (
+        from sglang_integration.testing.shared_experts import (
             ExpertTensorShape,
             create_shared_experts,
         )
@@ -189,7 +189,7 @@ class Workspace:
         return alive
 
     def close(self) -> None:
-        from harness.shared_experts import remove_shared_experts
+        from sglang_integration.testing.shared_experts import remove_shared_experts
 
         for engine in self._engines:
             with contextlib.suppress(Exception):
@@ -226,7 +226,7 @@ def _import_parent_side() -> None:
     import importlib
 
     # sglang's framing of every daemon request (it imports sglang), and torch.
-    for module in ("sglang.srt.weight_cache.protocol", "harness.shared_experts"):
+    for module in ("sglang.srt.weight_cache.protocol", "sglang_integration.testing.shared_experts"):
         importlib.import_module(module)
 
 
@@ -237,9 +237,9 @@ def _exit_and_log(daemon: Any) -> Any:
 
 def _run_daemon(argv: list[str], log_path: str) -> None:
     """Forkserver child: the model-less daemon's ``main``, output to ``log_path``."""
-    from harness.cpu_engine import release_forkserver
-    from harness.daemon_control import redirect_output
     from sglang_integration.testing import daemon
+    from sglang_integration.testing.cpu_engine import release_forkserver
+    from sglang_integration.testing.daemon_control import redirect_output
 
     release_forkserver()
     redirect_output(log_path)
@@ -261,7 +261,7 @@ def _remove_tree(path: Path) -> None:
 
 def query_daemons(daemons: Sequence[Any]) -> list[Any]:
     """Each daemon's ``expert_layout_query`` reply (``client.Reply``)."""
-    from sglang_integration import client
+    from sglang_integration.engine import client
 
     return [client.query(daemon.socket_path) for daemon in daemons]
 
@@ -284,7 +284,7 @@ def wait_for_daemons(
 def content_checks(daemons: Sequence[Any]) -> list[str]:
     """Per daemon, ``matching/total``: slots whose fingerprint now is the one it recorded
     (``expert_layout_content_check``); ``no content`` for a daemon that records none."""
-    from sglang_integration import client
+    from sglang_integration.engine import client
 
     texts = []
     for daemon in daemons:
@@ -303,12 +303,12 @@ def content_checks(daemons: Sequence[Any]) -> list[str]:
 
 def held_map(expert_dir: Path) -> Map:
     """Which logical expert every slot's bytes hold, read by this process from shared memory."""
-    from harness.shared_experts import read_physical_to_logical_map
+    from sglang_integration.testing.shared_experts import read_physical_to_logical_map
 
     return read_physical_to_logical_map(expert_dir)
 
 
 def matching(held: Map, the_map: Map) -> int:
-    from harness.shared_experts import count_matching_slots
+    from sglang_integration.testing.shared_experts import count_matching_slots
 
     return count_matching_slots(held, the_map)

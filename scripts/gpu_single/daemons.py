@@ -31,7 +31,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from layout_ledger.layout import Geometry
+from layout_ledger.core.layout import Geometry
 
 SGLANG = "sglang"
 LEDGER_SERVICE = "ledger-service"
@@ -171,8 +171,8 @@ def start_daemon(
 
 def run_forked_daemon(kind: str, argv: list[str], log_path: str) -> None:
     """Forkserver child: the daemon module's ``main(argv)``, its output to ``log_path``."""
-    from harness.cpu_engine import release_forkserver
-    from harness.daemon_control import redirect_output
+    from sglang_integration.testing.cpu_engine import release_forkserver
+    from sglang_integration.testing.daemon_control import redirect_output
 
     release_forkserver()  # so that it dies with the check even when the check is SIGKILLed
     redirect_output(log_path)
@@ -226,7 +226,7 @@ def ledger_cli(python: str, verb: str, ledger_paths: list[str]) -> list[tuple[in
     output."""
     running = [
         subprocess.Popen(
-            [python, "-m", "layout_ledger.cli", verb, "--json", path],
+            [python, "-m", "layout_ledger.cli.app", verb, "--json", path],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -39,7 +39,7 @@ from gpu_single.expert_bytes import (
 )
 from gpu_single.geometry import ExpertGeometry
 from gpu_single.moves import MovePlan
-from layout_ledger.layout import Map, layout_digest
+from layout_ledger.core.layout import Map, layout_digest
 
 ROLES = ("A", "B", "ignored")
 
@@ -86,8 +86,8 @@ def slot_counts(geometry: ExpertGeometry, held: list[list[int]], the_map: Map) -
 
 def start_layout(plan: GeometryPlan, engine_id: str) -> tuple[Any, Any]:
     """This package's engine startup for one rank: attach, read, decide."""
-    from layout_ledger.agreement import decide
-    from sglang_integration.engine_startup import read_daemon
+    from layout_ledger.core.startup_verdict import decide
+    from sglang_integration.engine.startup import read_daemon
 
     initial = plan.geometry.initial_map()
     finding, attachment = read_daemon(
@@ -97,7 +97,7 @@ def start_layout(plan: GeometryPlan, engine_id: str) -> tuple[Any, Any]:
 
 
 def adopted(decision: Any, plan: GeometryPlan) -> tuple[int, Map]:
-    from layout_ledger.agreement import AdoptLayout
+    from layout_ledger.core.startup_verdict import AdoptLayout
 
     if not isinstance(decision, AdoptLayout):
         raise EngineCheckError(f"{plan.geometry.name}: the engine did not adopt: {decision!r}")
@@ -108,8 +108,12 @@ def replay_commits(
     plan: GeometryPlan, tensors: list[torch.Tensor], engine_id: str, start: tuple[int, Map]
 ) -> dict[str, Any]:
     """A's commits: begin, move in place, synchronize, commit, check; the measurements."""
-    from layout_ledger.agreement import BeginAction, check_commits, decide_begin
-    from sglang_integration import client
+    from sglang_integration.engine import client
+    from sglang_integration.engine.rebalance_decisions import (
+        BeginAction,
+        check_commits,
+        decide_begin,
+    )
 
     geometry, device = plan.geometry, str(tensors[0].device)
     version, current = start

@@ -1,6 +1,6 @@
 """Stage 2: every slot fingerprinted on the device, at DeepSeek-V3's per-GPU scale.
 
-Runs only when this package provides ``sglang_integration.fingerprints.fingerprint_slots``
+Runs only when this package provides ``sglang_integration.content.fingerprints.fingerprint_slots``
 (content-verified layouts, another piece of work); until then the stage reports
 ``skipped: fingerprints not available in this version``. The function it is written against:
 
@@ -33,7 +33,7 @@ from gpu_single.expert_bytes import bases_for, fill_layer, slot_words, synchroni
 from gpu_single.geometry import deepseek_v3_geometry, human_bytes
 from gpu_single.results import Stage
 
-FINGERPRINT_MODULE = "sglang_integration.fingerprints"
+FINGERPRINT_MODULE = "sglang_integration.content.fingerprints"
 FINGERPRINT_FUNCTION = "fingerprint_slots"
 NOT_AVAILABLE = "skipped: fingerprints not available in this version"
 REPLICAS = 4  # local slots 32..35 replicate experts 0..3

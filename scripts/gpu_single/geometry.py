@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from layout_ledger.layout import Geometry, Map, trivial_map
+from layout_ledger.core.layout import Geometry, Map, trivial_map
 
 # DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3).
 DSV3_HIDDEN = 7168

@@ -60,7 +60,7 @@ def setup_rows(
     framing = [facts[role]["framing"] for role in ("A", "B")]
     framing_wanted = "stand-in" if daemon_kind == daemons.LEDGER_SERVICE else "sglang's"
     stage.check(
-        "framing the engines' client (sglang_integration.client) used, A and B",
+        "framing the engines' client (sglang_integration.engine.client) used, A and B",
         framing_wanted,
         _each(framing),
         all(found.startswith(framing_wanted) for found in framing),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_single.geometry import ExpertGeometry
-from layout_ledger.layout import Map, validate_map
+from layout_ledger.core.layout import Map, validate_map
 
 DEMO_MOVES_PATH = Path(__file__).resolve().parent / "demo_case1_moves.json"
 

@@ -63,10 +63,10 @@ FORKSERVER_PRELOAD = [
     "gpu_single.engines",
     "gpu_single.holder",
     "gpu_single.daemons",
-    "sglang_integration.engine_startup",
-    "sglang_integration.daemon_hooks",
-    "layout_ledger.ledger",
-    "layout_ledger.migrate",
+    "sglang_integration.engine.startup",
+    "sglang_integration.daemon.hooks",
+    "layout_ledger.store.ledger",
+    "layout_ledger.store.migrate",
 ]
 PRELOAD_BY_DAEMON = {
     daemons.SGLANG: ["sglang.srt.weight_cache.daemon", "sglang_integration.testing.daemon"],
@@ -170,7 +170,7 @@ def show(stages: list[Stage]) -> list[Stage]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from layout_ledger.sglang_env import set_quiet_sglang_env
+    from sglang_integration.testing.sglang_env import set_quiet_sglang_env
 
     set_quiet_sglang_env()  # the daemons and engines inherit it
     unavailable = device_available(args.device)

@@ -61,7 +61,7 @@ class StandInDaemon:
             )
 
     def serve(self) -> None:
-        from sglang_integration.daemon_hooks import around_handle_connection
+        from sglang_integration.daemon.hooks import around_handle_connection
 
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
@@ -126,11 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     die_with_parent()
     standin_framing.install()
-    from layout_ledger.errors import LedgerError
-    from layout_ledger.layout import Geometry, trivial_map
-    from layout_ledger.ledger import Retention
-    from layout_ledger.service import LayoutService
-    from sglang_integration.daemon_hooks import (
+    from layout_ledger.core.errors import LedgerError
+    from layout_ledger.core.layout import Geometry, trivial_map
+    from layout_ledger.store.retention import Retention
+    from layout_ledger.wire.service import LayoutService
+    from sglang_integration.daemon.hooks import (
         close_daemon_layout,
         config_fingerprint,
         open_ledger_record,

@@ -6,7 +6,7 @@ unpickler. This module restates ``send_msg`` / ``recv_msg`` (its unpickler accep
 only: dicts, lists, tuples, strings, numbers, booleans, None, bytes, which is all the expert
 layout protocol sends) and, with :func:`install`, registers them as
 ``sglang.srt.weight_cache.protocol`` in *this process only*, so that this package's real
-engine client (``sglang_integration.client``) and daemon connection hook
+engine client (``sglang_integration.engine.client``) and daemon connection hook
 (``daemon_hooks.around_handle_connection``), which import that module when they send or read a
 frame, run unchanged over it.
 

@@ -1,10 +1,16 @@
-"""What a user of the plugin can reuse to test a deployment on a CPU: the model-less daemon.
+"""The test toolkit: what the tests, the demo and the benchmarks run a deployment with, on a CPU.
 
-``python -m sglang_integration.testing.daemon`` (``daemon``): sglang's real daemon serve loop
-with the plugin's hooks and a ledger, without a model; with ``--experts`` it serves (and
-fingerprints) expert tensors from files in the format ``expert_files`` reads. The harness built
-on it for this repository's tests, demo and benchmarks lives in ``scripts/harness`` and is not
-shipped.
+- ``daemon`` (``python -m sglang_integration.testing.daemon``): sglang's real daemon serve loop
+  with the plugin's hooks and a ledger, without a model; with ``--experts`` it serves (and
+  fingerprints) expert tensors from files in the format ``expert_files`` reads;
+- ``daemon_control``: the forkserver that imports sglang once, model-less daemons started and
+  stopped, engine-side stand-in processes;
+- ``cpu_engine``: engine ranks on gloo running sglang's real EPLB code through the plugin;
+- ``shared_experts``: routed-expert tensors in shared memory (the stand-in for CUDA IPC);
+- ``synthetic_load``: skewed expert loads in place of the expert distribution recorder;
+- ``daemon_fuzz`` and ``fuzz_requests``: the daemon fuzzer (Hypothesis, a test dependency);
+- ``sglang_env``: the environment sglang is imported with on a CPU.
 
-Import-light on purpose (nothing imported here).
+Like alembic's ``testing``, it ships with the plugin so that a user can test a deployment;
+nothing outside it imports it. Import-light on purpose (nothing imported here).
 """

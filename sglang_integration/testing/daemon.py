@@ -59,14 +59,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from layout_ledger.errors import LedgerError
-from layout_ledger.layout import Geometry, trivial_map
-from layout_ledger.ledger import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Ledger, Retention
-from layout_ledger.origin import IncarnationOrigin
-from layout_ledger.record import LayoutRecord
-from layout_ledger.service import LayoutService
-from sglang_integration import ledger_paths
-from sglang_integration.content_settings import (
+from layout_ledger.core.errors import LedgerError
+from layout_ledger.core.layout import Geometry, trivial_map
+from layout_ledger.core.record import LayoutRecord
+from layout_ledger.store.ledger import Ledger
+from layout_ledger.store.origin import IncarnationOrigin
+from layout_ledger.store.retention import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Retention
+from layout_ledger.wire.service import LayoutService
+from sglang_integration.daemon import ledger_paths
+from sglang_integration.settings import (
     CHOICES,
     CONTENT_CHECK_ENV,
     ContentCheck,
@@ -228,7 +229,7 @@ def open_layout_service(
 ) -> tuple[LayoutService, Ledger | None]:
     """The daemon's record as ``--no-record`` / ``--in-memory`` / ``--ledger`` ask, with the
     expert files' content when ``--experts`` names them."""
-    from sglang_integration.daemon_hooks import (
+    from sglang_integration.daemon.hooks import (
         check_loaded_content,
         config_fingerprint,
         loaded_fingerprints,
@@ -304,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # As sglang's run_weight_cache_daemon does (daemon.py:642-644): die with the parent.
     kill_itself_when_parent_died()
-    from sglang_integration.daemon_hooks import install_daemon_hooks, set_daemon_layout
+    from sglang_integration.daemon.hooks import install_daemon_hooks, set_daemon_layout
 
     geometry = Geometry(
         num_layers=args.num_layers,
@@ -329,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         daemon.serve()
     except BaseException:
         if not args.without_plugin:
-            from sglang_integration.daemon_hooks import close_daemon_layout
+            from sglang_integration.daemon.hooks import close_daemon_layout
 
             close_daemon_layout(daemon)
         raise

@@ -3,8 +3,8 @@
 A model-less daemon has no model, so no routed-expert tensors to fingerprint. With ``--experts
 DIR --expert-rank R`` it maps the files below, the CPU stand-in for the CUDA-IPC tensors a real
 daemon exports, which engines on the same machine map too (an in-place move by one is seen by
-all). The format (version 1), written by the test harness (``scripts/harness/shared_experts.py``)
-and read here; this module reads nothing else:
+all). The format (version 1), written by the test harness
+(``sglang_integration/testing/shared_experts.py``) and read here; this module reads nothing else:
 
 - ``DIR/rank{R}.json``: ``{"format_version": 1, "num_layers": L, "num_logical_experts": E,
   "num_physical_slots": P, "ep_size": N, "widths": [w_0, w_1, ...]}``; EP rank ``R`` holds the
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from layout_ledger.layout import Geometry
-from sglang_integration.slot_content import ModelSlots
+from layout_ledger.core.layout import Geometry
+from sglang_integration.content.model_slots import ModelSlots
 
 FORMAT_VERSION = 1
 

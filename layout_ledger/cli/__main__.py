@@ -1,0 +1,7 @@
+"""``python -m layout_ledger.cli``: the same as the ``layout-ledger`` console script."""
+
+import sys
+
+from layout_ledger.cli import main
+
+sys.exit(main())

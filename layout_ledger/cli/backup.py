@@ -1,0 +1,165 @@
+"""``layout-ledger backup``: a consistent single-file copy of a ledger, also while its daemon runs.
+
+A daemon's ledger keeps its newest commits in the ``-wal`` beside it until a checkpoint copies
+them back (``maintenance``), so a plain ``cp`` of the main file alone copies an empty or stale
+database and loses them. ``backup_ledger`` copies through SQLite's online backup API instead,
+from a read-only connection (``storage.open_reader_engine``: the same file checks as every
+reader, and it works on read-only media), in one step: one read snapshot, so the copy is the
+ledger as it stood at one moment, never half a commit, and the daemon's commits go on
+meanwhile. The copy is one file (rollback journal, no WAL), mode 0600, written under a
+temporary name, synced, then linked into place, so a backup never replaces an existing file
+and a reader never sees half a copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
+
+from layout_ledger.cli.json_shape import JsonShaped
+from layout_ledger.core.errors import LedgerError, LedgerFileError, LedgerStorageError
+from layout_ledger.store.connections import open_reader_engine
+from layout_ledger.store.files import FILE_MODE
+from layout_ledger.store.migrate import file_revision, refuse_newer
+
+
+@dataclass(frozen=True)
+class BackupResult(JsonShaped):
+    path: str
+    output: str
+    schema_revision: str
+    bytes: int
+    incarnations: int
+    events: int
+    chain_head: str | None  # the last event's chain value (compare with the daemon's log)
+
+
+def backup_output(source: Path, destination: Path) -> Path:
+    """The file a backup writes: ``destination``, or the source's name inside it when it is a
+    directory; it must not exist yet, and its directory must."""
+    output = destination / source.name if destination.is_dir() else destination
+    if os.path.lexists(output):
+        raise LedgerError(
+            f"{output} already exists; a backup never replaces a file: remove it or name another"
+        )
+    if not output.parent.is_dir():
+        raise LedgerError(f"cannot write {output}: the directory {output.parent} does not exist")
+    return output
+
+
+def backup_ledger(
+    source: str | os.PathLike[str], destination: str | os.PathLike[str]
+) -> BackupResult:
+    """Copy the ledger at ``source`` into ``destination`` (see the module docstring)."""
+    source, destination = Path(source), Path(destination)
+    output = backup_output(source, destination)
+    engine = open_reader_engine(source)
+    try:
+        with engine.connect() as conn:
+            revision = _revision(conn, source)
+            driver = conn.connection.dbapi_connection
+            if not isinstance(driver, sqlite3.Connection):
+                raise LedgerFileError(f"{source} was not opened through sqlite3")
+            if conn.in_transaction():
+                conn.rollback()
+            temporary = _copy(driver, output)
+    finally:
+        engine.dispose()
+    try:
+        os.link(temporary, output)  # fails, instead of replacing, when output appeared meanwhile
+    except FileExistsError as exc:
+        raise LedgerError(
+            f"{output} appeared while the backup was written; nothing replaced"
+        ) from exc
+    except OSError as exc:
+        raise LedgerError(f"cannot write {output}: {exc.strerror}") from exc
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+    _sync_directory(output.parent)
+    return _describe(source, output, revision)
+
+
+def _revision(conn: Connection, source: Path) -> str:
+    """The ledger's schema revision (any: a backup copies bytes); refuse what is no ledger."""
+    try:
+        revision = file_revision(conn)
+    except DBAPIError as exc:
+        message = str(exc.orig)
+        if "not a database" in message or "file is encrypted" in message:
+            raise LedgerFileError(f"{source} is not an SQLite database") from exc
+        raise LedgerStorageError(f"reading ledger {source} failed: {message}") from exc
+    if revision is None:
+        raise LedgerFileError(f"{source} is an empty SQLite file, not an expert layout ledger")
+    refuse_newer(revision, source)
+    return revision
+
+
+def _copy(source: sqlite3.Connection, output: Path) -> Path:
+    """The whole database, in one backup step, into a new private file beside ``output``."""
+    fd, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
+    os.close(fd)
+    temporary = Path(name)
+    try:
+        os.chmod(temporary, FILE_MODE)
+        copy = sqlite3.connect(temporary, isolation_level=None)
+        try:
+            source.backup(copy)  # pages=-1: every page in one step, one read snapshot
+            copy.execute("PRAGMA journal_mode=DELETE")  # one file: no -wal to lose
+        finally:
+            copy.close()
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+        if isinstance(exc, (OSError, sqlite3.Error)):
+            raise LedgerError(f"cannot write the backup {output}: {exc}") from exc
+        raise
+    return temporary
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _describe(source: Path, output: Path, revision: str) -> BackupResult:
+    """What the copy holds, read back from it."""
+    with contextlib.closing(sqlite3.connect(f"file:{output}?mode=ro", uri=True)) as copy:
+        incarnations = copy.execute("SELECT count(*) FROM incarnations").fetchone()[0]
+        events = copy.execute("SELECT count(*) FROM events").fetchone()[0]
+        columns = {row[1] for row in copy.execute("PRAGMA table_info(events)")}
+        head = None
+        if "chain" in columns:
+            row = copy.execute("SELECT chain FROM events ORDER BY event_id DESC LIMIT 1").fetchone()
+            head = None if row is None else row[0]
+    return BackupResult(
+        path=str(source),
+        output=str(output),
+        schema_revision=revision,
+        bytes=output.stat().st_size,
+        incarnations=int(incarnations),
+        events=int(events),
+        chain_head=head,
+    )
+
+
+def render_backup(result: BackupResult) -> list[str]:
+    head = "" if result.chain_head is None else f", event chain head {result.chain_head}"
+    return [
+        f"backed up {result.path} to {result.output}: {result.bytes} bytes, schema "
+        f"{result.schema_revision}, {result.incarnations} incarnations, {result.events} "
+        f"events{head}",
+        f"check it: layout-ledger verify {result.output}",
+    ]

@@ -1,0 +1,316 @@
+"""``layout-ledger metrics``: the ledgers' state as Prometheus series.
+
+The series, one set per ledger, each labelled ``ledger`` (its path), ``host``, ``device_uuid``,
+``gpu_id`` and ``tp_rank`` (from the incarnation's origin; empty when not recorded) plus the
+constant labels given with ``--label``:
+
+- ``sglang_expert_layout_version``: the current layout version;
+- ``sglang_expert_layout_dirty``: 1 while the layout is unknown (an engine left mid-move);
+- ``sglang_expert_layout_move_pending``: 1 while a move is pending;
+- ``sglang_expert_layout_move_pending_seconds``: how long it has been pending (else 0);
+- ``sglang_expert_layout_attached_engines``: the engines attached;
+- ``sglang_expert_layout_daemon_up``: 1 the daemon runs, 0 it does not, NaN cannot tell here;
+- ``sglang_expert_layout_commits_total``: commits in the latest incarnation;
+- ``sglang_expert_layout_refusals_total``: refusals in it, by ``kind`` (the event kind);
+- ``sglang_expert_layout_last_commit_timestamp_seconds``: when the current version was recorded;
+- ``sglang_expert_layout_incarnation``: the latest incarnation's id;
+- ``sglang_expert_layout_info``: 1, with ``digest`` (and config fingerprint, versions, ...);
+- ``sglang_expert_layout_ledger_readable`` (labelled ``ledger`` only): 1 read, 0 not.
+
+The counters count the latest incarnation: a daemon restart resets them, as a process restart
+resets any counter (Prometheus' ``rate`` and ``increase`` handle the reset).
+
+Collecting (``collect_metrics``) reads each ledger read-only (``snapshot``): a WAL reader that
+never blocks the daemon's commits, and no checkpoint waits for it. Only the rendering needs the
+official ``prometheus_client`` (the ``metrics`` extra), imported when asked for, so the core
+install stays SQLAlchemy + Alembic. ``write_textfile`` writes the text exposition format
+atomically for node_exporter's textfile collector; ``serve_metrics`` serves ``/metrics`` with
+``prometheus_client``'s HTTP server, re-reading the ledgers on every scrape.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from layout_ledger.cli.json_shape import JsonObject
+from layout_ledger.cli.path_expansion import expand_ledger_paths
+from layout_ledger.cli.terminal import printable
+from layout_ledger.core.errors import LedgerError, LedgerFileError
+from layout_ledger.history.overview import (
+    REFUSAL_KINDS,
+    LedgerSnapshot,
+    UnreadableLedger,
+    read_snapshots,
+)
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "sglang_expert_layout"
+LEDGER_LABELS = ("ledger", "host", "device_uuid", "gpu_id", "tp_rank")
+EXTRA_HINT = "pip install 'sglang-expert-layout-ledger[metrics]'"
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def check_constant_labels(labels: Mapping[str, str]) -> None:
+    """``--label`` names: Prometheus label names, none of the series' own."""
+    for name in labels:
+        if not _LABEL_NAME.match(name) or name.startswith("__"):
+            raise LedgerError(f"--label {name!r} is not a Prometheus label name")
+        if name in (*LEDGER_LABELS, "kind", "digest"):
+            raise LedgerError(f"--label {name!r} is a label every series already has")
+
+
+@dataclass(frozen=True)
+class MetricsReport:
+    """What one collection read: each ledger's snapshot (or why it could not), and when."""
+
+    ledgers: tuple[LedgerSnapshot | UnreadableLedger, ...]
+    labels: Mapping[str, str]
+    collected_at: float  # UNIX seconds
+
+    @property
+    def unreadable(self) -> tuple[UnreadableLedger, ...]:
+        return tuple(item for item in self.ledgers if isinstance(item, UnreadableLedger))
+
+
+def collect_metrics(
+    specs: Sequence[str | os.PathLike[str]],
+    labels: Mapping[str, str] | None = None,
+    now: Callable[[], float] | None = None,
+) -> MetricsReport:
+    """Read the ledgers the PATH ``specs`` name (a spec naming none is itself unreadable)."""
+    read: list[LedgerSnapshot | UnreadableLedger] = []
+    for spec in specs:
+        try:
+            paths = expand_ledger_paths([spec])
+        except LedgerFileError as exc:
+            read.append(UnreadableLedger(os.fspath(spec), str(exc)))
+            continue
+        read.extend(read_snapshots(paths))
+    clock = now or (lambda: datetime.datetime.now(datetime.timezone.utc).timestamp())
+    return MetricsReport(tuple(read), dict(labels or {}), clock())
+
+
+# --- the series -----------------------------------------------------------------------------
+
+
+def _seconds(timestamp: str) -> float:
+    return datetime.datetime.fromisoformat(timestamp).timestamp()
+
+
+def _label_value(value: object) -> str:
+    """A label value: empty when unknown; a ledger's control characters as visible escapes."""
+    return "" if value is None else printable(str(value))
+
+
+def _ledger_labels(item: LedgerSnapshot) -> list[str]:
+    origin = item.incarnation.origin
+    values = (item.path, origin.host, origin.device_uuid, origin.gpu_id, origin.tp_rank)
+    return [_label_value(value) for value in values]
+
+
+def _gauges(item: LedgerSnapshot, now: float) -> dict[str, float]:
+    state, alive = item.state, item.liveness.alive
+    pending = state.pending
+    pending_for = 0.0
+    if pending is not None and pending.since is not None:
+        pending_for = max(0.0, now - _seconds(pending.since))
+    return {
+        "version": float(state.version),
+        "dirty": float(state.dirty is not None),
+        "move_pending": float(pending is not None),
+        "move_pending_seconds": pending_for,
+        "attached_engines": float(len(state.attached)),
+        "daemon_up": math.nan if alive is None else float(alive),
+        "last_commit_timestamp_seconds": _seconds(item.last_commit_at),
+        "incarnation": float(item.incarnation.incarnation_id),
+    }
+
+
+# name -> help text, for the gauges above (name without the prefix).
+_GAUGE_HELP = {
+    "version": "The current expert layout version of the daemon's latest incarnation.",
+    "dirty": "1 while the layout is unknown (an engine left mid-move): restart the daemon.",
+    "move_pending": "1 while an engine's two-phase move is pending (begun, not committed).",
+    "move_pending_seconds": "How long the pending move has been pending, 0 when none is.",
+    "attached_engines": "Engines attached to the daemon (open attach connections).",
+    "daemon_up": "1 while the daemon owning the ledger runs (its writer lock is held), 0 when "
+    "it does not; NaN when this host cannot tell (another host, read-only media).",
+    "last_commit_timestamp_seconds": "When the current version was recorded (UNIX seconds).",
+    "incarnation": "The id of the daemon's latest incarnation (one per daemon start).",
+}
+
+
+def families(report: MetricsReport) -> list[Any]:
+    """The report as ``prometheus_client`` metric families (needs the ``metrics`` extra)."""
+    core = _prometheus_core()
+    constant = list(report.labels)
+    extra = [_label_value(value) for value in report.labels.values()]
+    labels = [*LEDGER_LABELS, *constant]
+    readable = [item for item in report.ledgers if isinstance(item, LedgerSnapshot)]
+    found: list[Any] = []
+    for name, help_text in _GAUGE_HELP.items():
+        gauge = core.GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
+        for item in readable:
+            gauge.add_metric(_ledger_labels(item) + extra, _gauges(item, report.collected_at)[name])
+        found.append(gauge)
+    found.extend(_counters(core, readable, labels, extra))
+    info = core.InfoMetricFamily(
+        PREFIX, "The layout's digest and where the daemon runs, as labels.", labels=labels
+    )
+    for item in readable:
+        info.add_metric(_ledger_labels(item) + extra, _info_labels(item))
+    found.append(info)
+    found.append(_readable(core, report, constant, extra))
+    return found
+
+
+def _counters(
+    core: Any, readable: Sequence[LedgerSnapshot], labels: list[str], extra: list[str]
+) -> Iterator[Any]:
+    commits = core.CounterMetricFamily(
+        f"{PREFIX}_commits",
+        "Committed moves in the daemon's latest incarnation (reset when it restarts).",
+        labels=labels,
+    )
+    refusals = core.CounterMetricFamily(
+        f"{PREFIX}_refusals",
+        "Requests the daemon refused in its latest incarnation, by event kind "
+        "(<verb>_refused, begin_busy).",
+        labels=[*labels, "kind"],
+    )
+    for item in readable:
+        commits.add_metric(_ledger_labels(item) + extra, float(item.commits))
+        for kind in REFUSAL_KINDS:
+            refusals.add_metric(
+                [*_ledger_labels(item), *extra, kind], float(item.refusals.get(kind, 0))
+            )
+    yield commits
+    yield refusals
+
+
+def _info_labels(item: LedgerSnapshot) -> dict[str, str]:
+    origin = item.incarnation.origin
+    values = {
+        "digest": item.state.digest,
+        "config_fingerprint": item.incarnation.config_fingerprint,
+        "pp_rank": origin.pp_rank,
+        "ep_rank": origin.ep_rank,
+        "pid": origin.pid,
+        "socket_path": origin.socket_path,
+        "sglang_version": origin.sglang_version,
+        "plugin_version": origin.plugin_version,
+    }
+    return {name: _label_value(value) for name, value in values.items()}
+
+
+def _readable(core: Any, report: MetricsReport, constant: list[str], extra: list[str]) -> Any:
+    gauge = core.GaugeMetricFamily(
+        f"{PREFIX}_ledger_readable",
+        "1 when the ledger was read at this collection, 0 when it could not be (the exporter "
+        "logs why).",
+        labels=["ledger", *constant],
+    )
+    for item in report.ledgers:
+        gauge.add_metric([_label_value(item.path), *extra], float(isinstance(item, LedgerSnapshot)))
+    return gauge
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def _prometheus_core() -> Any:
+    try:
+        import prometheus_client.metrics_core as core
+    except ImportError as exc:
+        raise LedgerError(
+            f"layout-ledger metrics needs the prometheus_client library ({EXTRA_HINT})"
+        ) from exc
+    return core
+
+
+class _Collector:
+    """A ``prometheus_client`` collector whose every ``collect`` re-reads the ledgers."""
+
+    def __init__(self, collect: Callable[[], MetricsReport]) -> None:
+        self._collect = collect
+
+    def collect(self) -> list[Any]:
+        report = self._collect()
+        for item in report.unreadable:
+            logger.warning("cannot read ledger %s: %s", item.path, item.problem)
+        return families(report)
+
+
+def exposition(report: MetricsReport) -> bytes:
+    """The Prometheus text exposition format of ``report`` (``prometheus_client``'s own)."""
+    _prometheus_core()
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(lambda: report))
+    return bytes(generate_latest(registry))
+
+
+def samples_json(report: MetricsReport) -> list[JsonObject]:
+    """Every sample as ``{name, labels, value}`` (NaN as null), for ``--json``."""
+    shown: list[JsonObject] = []
+    for family in families(report):
+        for sample in family.samples:
+            value = None if math.isnan(sample.value) else sample.value
+            shown.append({"name": sample.name, "labels": dict(sample.labels), "value": value})
+    return shown
+
+
+def write_textfile(output: Path, data: bytes) -> None:
+    """``data`` into ``output`` atomically: a reader (node_exporter) sees the old file or the
+    new one, never half of one; the temporary file's name does not end in ``.prom``."""
+    from layout_ledger.cli.report import write_atomically
+
+    write_atomically(output, data, temporary_suffix=".tmp")
+
+
+@dataclass
+class MetricsServer:
+    """``prometheus_client``'s HTTP server for ``/metrics``, running on its own thread."""
+
+    server: Any
+    thread: Any
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{port}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+def serve_metrics(
+    host: str,
+    port: int,
+    specs: Sequence[str | os.PathLike[str]],
+    labels: Mapping[str, str] | None = None,
+) -> MetricsServer:
+    """Serve ``/metrics`` on ``host:port`` (port 0: any free one), re-reading on each scrape."""
+    _prometheus_core()
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(lambda: collect_metrics(specs, labels)))
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise LedgerError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from exc
+    return MetricsServer(server, thread)

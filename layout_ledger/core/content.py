@@ -1,0 +1,276 @@
+"""Slot fingerprints as the ledger and the protocol hold them, and what a fingerprint says.
+
+A fingerprint (``sglang_integration.content.fingerprints``, computed with torch on the weights'
+device) is, here, opaque: 64 lowercase hex digits, four parts of 16, one per quarter of the slot's
+bytes. Two slots hold the same bytes exactly when their fingerprints are equal; a part of
+``0000000000000000`` is a quarter of zero bytes. This module (no torch) keeps them per layer for
+one daemon's local slots (``LocalFingerprints``), learns which fingerprint each logical expert
+has from a record (``ExpertContents``), and says what a slot holds in words ("expert 3",
+"zero-filled", "parts 0-1 of expert 3, parts 2-3 of expert 5", "unknown content").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from layout_ledger.core.errors import InvalidRequest
+
+PARTS = 4
+HEX_PER_PART = 16
+FINGERPRINT_LENGTH = PARTS * HEX_PER_PART
+ZERO_PART = "0" * HEX_PER_PART
+ZERO = ZERO_PART * PARTS
+UNKNOWN = "unknown content"
+ZERO_FILLED = "zero-filled"
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_fingerprint(value: Any) -> bool:
+    """64 lowercase hex digits."""
+    return isinstance(value, str) and len(value) == FINGERPRINT_LENGTH and set(value) <= _HEX
+
+
+def parts_of(fingerprint: str) -> tuple[str, ...]:
+    return tuple(
+        fingerprint[index : index + HEX_PER_PART]
+        for index in range(0, FINGERPRINT_LENGTH, HEX_PER_PART)
+    )
+
+
+def short(fingerprint: str) -> str:
+    """The first 12 digits, as messages show a fingerprint."""
+    return fingerprint[:12]
+
+
+@dataclass(frozen=True)
+class LocalFingerprints:
+    """One daemon's fingerprints of its local slots, ``first_slot`` on, per layer.
+
+    ``layers`` holds only the layers that have routed-expert tensors (a dense layer has none).
+    """
+
+    first_slot: int
+    layers: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+
+    def row_json(self, layer: int) -> str:
+        """A layer's fingerprints as the ledger stores them (compact JSON array)."""
+        return json.dumps(list(self.layers[layer]), separators=(",", ":"))
+
+    def only(self, layers: Iterable[int]) -> LocalFingerprints:
+        return LocalFingerprints(
+            self.first_slot, {layer: self.layers[layer] for layer in layers if layer in self.layers}
+        )
+
+    def updated(self, other: LocalFingerprints) -> LocalFingerprints:
+        """These fingerprints with ``other``'s layers replacing theirs."""
+        return LocalFingerprints(self.first_slot, {**self.layers, **other.layers})
+
+
+def fingerprints_from_wire(
+    raw: Any, layers: Sequence[int], first_slot: int, num_slots: int
+) -> LocalFingerprints:
+    """A request's ``fingerprints``: ``{layer: [fingerprint, ...]}`` for exactly ``layers``."""
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest(
+            f"fingerprints must be a dict {{layer: [fingerprint, ...]}}, got {type(raw).__name__}"
+        )
+    if set(raw) != set(layers):
+        shown = sorted(raw, key=str)
+        raise InvalidRequest(
+            f"fingerprints cover layers {shown} but must cover exactly layers {list(layers)}"
+        )
+    checked: dict[int, tuple[str, ...]] = {}
+    for layer in layers:
+        values = raw[layer]
+        if not isinstance(values, (list, tuple)) or len(values) != num_slots:
+            raise InvalidRequest(
+                f"fingerprints of layer {layer} must be a list of this daemon's {num_slots} "
+                f"local slots' fingerprints"
+            )
+        for index, value in enumerate(values):
+            if not is_fingerprint(value):
+                raise InvalidRequest(
+                    f"fingerprint of layer {layer} slot {first_slot + index} is not "
+                    f"{FINGERPRINT_LENGTH} lowercase hex digits"
+                )
+        checked[layer] = tuple(values)
+    return LocalFingerprints(first_slot, checked)
+
+
+# --- what a slot holds ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Identified:
+    """What a fingerprint says a slot holds: a whole known expert, or ``text`` only."""
+
+    expert: int | None
+    text: str
+
+    @property
+    def whole_expert(self) -> bool:
+        return self.expert is not None
+
+
+class ExpertContents:
+    """Per layer, the fingerprint of each logical expert, learned from recorded slots.
+
+    A fingerprint recorded for two experts, or two fingerprints for one expert, is a conflict
+    (``conflicts``): the record cannot say which is right.
+    """
+
+    def __init__(self) -> None:
+        self._of_expert: dict[int, dict[int, str]] = {}
+        self._of_fingerprint: dict[int, dict[str, int]] = {}
+        self.conflicts: list[str] = []
+
+    def learn(self, layer: int, expert: int, fingerprint: str, where: str) -> None:
+        """``where`` names the slot in a conflict's text. A zero-filled slot teaches nothing."""
+        if fingerprint == ZERO:
+            return
+        experts = self._of_expert.setdefault(layer, {})
+        known = experts.get(expert)
+        if known is not None and known != fingerprint:
+            self.conflicts.append(
+                f"layer {layer}: expert {expert} was recorded with two contents "
+                f"({short(known)}..., and {short(fingerprint)}... at {where})"
+            )
+            return
+        holders = self._of_fingerprint.setdefault(layer, {})
+        other = holders.get(fingerprint)
+        if other is not None and other != expert:
+            self.conflicts.append(
+                f"layer {layer}: experts {other} and {expert} were recorded with the same "
+                f"content {short(fingerprint)}... (at {where}), so they cannot be told apart"
+            )
+            return
+        experts[expert] = fingerprint
+        holders[fingerprint] = expert
+
+    def learn_slots(
+        self, layer: int, row: Sequence[int], fingerprints: Sequence[str], first_slot: int
+    ) -> None:
+        """Learn from slots ``first_slot ..`` of a map row and their recorded fingerprints."""
+        for index, fingerprint in enumerate(fingerprints):
+            slot = first_slot + index
+            self.learn(layer, int(row[slot]), fingerprint, f"slot {slot}")
+
+    def fingerprint_of(self, layer: int, expert: int) -> str | None:
+        return self._of_expert.get(layer, {}).get(expert)
+
+    def experts_of(self, layer: int) -> Mapping[int, str]:
+        return self._of_expert.get(layer, {})
+
+    def identify(self, layer: int, fingerprint: str) -> Identified:
+        """What ``fingerprint`` holds, as far as this layer's known experts tell."""
+        holders = self._of_fingerprint.get(layer, {})
+        if fingerprint in holders and fingerprint != ZERO:
+            return Identified(holders[fingerprint], f"expert {holders[fingerprint]}")
+        if fingerprint == ZERO:
+            return Identified(None, ZERO_FILLED)
+        owners = [
+            self._part_owner(layer, index, part) for index, part in enumerate(parts_of(fingerprint))
+        ]
+        if all(owner == UNKNOWN for owner in owners):
+            return Identified(None, UNKNOWN)
+        return Identified(None, _describe_parts(owners))
+
+    def _part_owner(self, layer: int, index: int, part: str) -> str:
+        if part == ZERO_PART:
+            return ZERO_FILLED
+        owners = sorted(
+            expert
+            for expert, fingerprint in self._of_expert.get(layer, {}).items()
+            if parts_of(fingerprint)[index] == part
+        )
+        if not owners:
+            return UNKNOWN
+        return "expert " + "/".join(str(owner) for owner in owners)
+
+
+def _describe_parts(owners: Sequence[str]) -> str:
+    """``parts 0-1 of expert 3, parts 2-3 of expert 5`` (runs of equal owners)."""
+    runs: list[tuple[int, int, str]] = []
+    for index, owner in enumerate(owners):
+        if runs and runs[-1][2] == owner:
+            runs[-1] = (runs[-1][0], index, owner)
+        else:
+            runs.append((index, index, owner))
+    texts = []
+    for first, last, owner in runs:
+        which = f"part {first}" if first == last else f"parts {first}-{last}"
+        texts.append(f"{which} {owner}" if owner == ZERO_FILLED else f"{which} of {owner}")
+    return "partial: " + ", ".join(texts)
+
+
+# --- comparisons the daemon makes ---------------------------------------------------------------
+
+
+def replica_disagreements(
+    physical_to_logical_map: Sequence[Sequence[int]], local: LocalFingerprints
+) -> dict[int, str]:
+    """Per layer, the local slots the map gives one expert whose fingerprints differ (a load
+    that left a replica unfilled), in words; layers where every replica agrees are absent."""
+    found: dict[int, str] = {}
+    for layer, fingerprints in sorted(local.layers.items()):
+        row = physical_to_logical_map[layer]
+        slots_of: dict[int, list[int]] = {}
+        for index in range(len(fingerprints)):
+            slots_of.setdefault(int(row[local.first_slot + index]), []).append(index)
+        texts = []
+        for expert, indexes in sorted(slots_of.items()):
+            if len({fingerprints[index] for index in indexes}) > 1:
+                shown = ", ".join(
+                    f"slot {local.first_slot + index} {_summary(fingerprints[index])}"
+                    for index in indexes
+                )
+                texts.append(f"expert {expert} in slots that differ ({shown})")
+        if texts:
+            found[layer] = f"layer {layer}: " + "; ".join(texts)
+    return found
+
+
+def _summary(fingerprint: str) -> str:
+    return ZERO_FILLED if fingerprint == ZERO else f"{short(fingerprint)}..."
+
+
+def changed_slots(
+    recorded: LocalFingerprints, current: LocalFingerprints, skip: Iterable[int] = ()
+) -> dict[int, list[int]]:
+    """Per layer (but ``skip``), the local slots (indexes) whose fingerprint is not the recorded."""
+    skipped = set(skip)
+    changed: dict[int, list[int]] = {}
+    for layer, fingerprints in sorted(recorded.layers.items()):
+        if layer in skipped:
+            continue
+        now = current.layers.get(layer)
+        if now is None:
+            continue
+        indexes = [i for i, (a, b) in enumerate(zip(fingerprints, now, strict=False)) if a != b]
+        if indexes:
+            changed[layer] = indexes
+    return changed
+
+
+def describe_changes(
+    changed: Mapping[int, Sequence[int]],
+    current: LocalFingerprints,
+    known: ExpertContents,
+    physical_to_logical_map: Sequence[Sequence[int]],
+    *,
+    limit: int = 8,
+) -> str:
+    """``layer 2 slot 7: expert 3 by the record, holds expert 5; ...`` (at most ``limit``)."""
+    texts = []
+    for layer, indexes in changed.items():
+        for index in indexes:
+            slot = current.first_slot + index
+            held = known.identify(layer, current.layers[layer][index]).text
+            named = physical_to_logical_map[layer][slot]
+            texts.append(f"layer {layer} slot {slot}: expert {named} by the record, holds {held}")
+    more = len(texts) - limit
+    return "; ".join(texts[:limit]) + (f"; and {more} more" if more > 0 else "")

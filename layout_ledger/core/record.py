@@ -1,0 +1,604 @@
+"""The layout record: the state machine of one daemon incarnation, and the journal it writes to.
+
+``LayoutRecord`` is the one rulebook. Every transition (start, attach, detach, begin, commit,
+abort, fetch, end) runs under one lock: it checks the request with ``rules``, builds the events
+the change appends, hands them to its ``Journal`` and only then changes its in-memory state. A
+refused request appends its one refusal event (``<verb>_refused`` or ``begin_busy``) inside the
+same locked step and raises; nothing else changes. A journal that fails to append (the ledger
+could not write) therefore leaves memory and file in the same state.
+
+Journals (composition, one method: ``append(events, rows=None, fingerprints=None)``):
+
+- ``layout_ledger.store.ledger.LedgerJournal`` writes each append as one durable SQLite transaction;
+- ``MemoryJournal`` keeps nothing (benchmarks, the model-less daemon's ``--in-memory``);
+- ``layout_ledger.store.replay.StoredEvents`` compares each event with the next row a ledger holds,
+  so ``verify`` and the reader derive an incarnation's state by running these same rules over its
+  history.
+
+The daemon's serve loop and its attach watcher thread both call into one record; the lock makes
+each call's check, append and state change one step, so no interleaving can produce a state the
+rows do not show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NoReturn, Protocol
+
+from layout_ledger.core import events as ev
+from layout_ledger.core import rules
+from layout_ledger.core.content import (
+    ExpertContents,
+    LocalFingerprints,
+    changed_slots,
+    describe_changes,
+)
+from layout_ledger.core.errors import (
+    EngineNotAttached,
+    LedgerError,
+    MoveBusy,
+    NoContentRecord,
+    RequestRefused,
+)
+from layout_ledger.core.layout import Geometry, Map, digest_of_row_jsons, row_json
+from layout_ledger.core.state import (
+    ContentFinding,
+    ContentState,
+    DirtyMark,
+    LayoutState,
+    PendingMove,
+    utc_now,
+)
+
+logger = logging.getLogger(__name__)
+
+# The reasons an incarnation's end event gives after its state ("clean: daemon shut down").
+END_SHUTDOWN = "daemon shut down"
+END_FOUND_UNENDED = "the daemon did not shut down cleanly (found unended at the next start)"
+EOF_DETACH = "attach connection closed (EOF)"
+
+
+class Fingerprinter(Protocol):
+    """Fingerprints the daemon's local slots now: of ``layers``, or of every layer with
+    routed-expert tensors when None (``wire.service.ContentSource.fingerprints``)."""
+
+    def __call__(self, layers: Sequence[int] | None = None) -> LocalFingerprints: ...
+
+
+class Journal(Protocol):
+    """Where a record's changes go, all or nothing, before they take effect."""
+
+    def append(
+        self,
+        events: Sequence[ev.Event],
+        rows: Mapping[int, str] | None = None,
+        fingerprints: LocalFingerprints | None = None,
+    ) -> None:
+        """Append ``events`` atomically, with a new version's ``rows`` (layer -> row JSON) and
+        its layers' slot ``fingerprints`` (a start's, commit's or repair's)."""
+
+
+class MemoryJournal:
+    """A journal that keeps nothing: the same rules, no persistence."""
+
+    def append(
+        self,
+        events: Sequence[ev.Event],
+        rows: Mapping[int, str] | None = None,
+        fingerprints: LocalFingerprints | None = None,
+    ) -> None:
+        return None
+
+
+def _now() -> str:
+    return utc_now()  # looked up at call time, so a test may replace state.utc_now's import here
+
+
+class LayoutRecord:
+    """One incarnation's layout: version, map, digest, pending move, dirty mark, attachments."""
+
+    @classmethod
+    def in_memory(
+        cls,
+        geometry: Geometry,
+        physical_to_logical_map: Map,
+        incarnation_id: int = 1,
+        content: LocalFingerprints | None = None,
+    ) -> LayoutRecord:
+        """A record that persists nothing (``MemoryJournal``)."""
+        return cls(
+            MemoryJournal(), incarnation_id, geometry, physical_to_logical_map, content=content
+        )
+
+    def __init__(
+        self,
+        journal: Journal,
+        incarnation_id: int,
+        geometry: Geometry,
+        physical_to_logical_map: Map,
+        *,
+        clock: Callable[[], str] | None = None,
+        content: LocalFingerprints | None = None,
+    ) -> None:
+        self._lock = threading.RLock()
+        self.journal = journal
+        self._clock = clock or _now
+        self.incarnation_id = incarnation_id
+        self.geometry = geometry
+        # None once a replayed commit was known by its digest only (its rows were pruned).
+        self._row_jsons: list[str] | None = [row_json(row) for row in physical_to_logical_map]
+        self.version = 0
+        self.digest = digest_of_row_jsons(self._row_jsons)
+        self.pending: PendingMove | None = None
+        self.dirty: DirtyMark | None = None
+        self._attached: dict[str, str] = {}
+        self.non_following_fetch = False
+        self.end_state: str | None = None
+        # The local slots' fingerprints at the current version (None: this daemon records none)
+        # and every expert's content learned from them this incarnation.
+        self.content = content
+        self.known = ExpertContents()
+        if content is not None:
+            self._learn(physical_to_logical_map, content)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by every transition; hold it to read several fields consistently."""
+        return self._lock
+
+    # --- the StateView the rules read ---------------------------------------------------
+
+    @property
+    def attached(self) -> Collection[str]:
+        return self._attached.keys()
+
+    @property
+    def map_known(self) -> bool:
+        return self._row_jsons is not None
+
+    def row_jsons(self) -> list[str]:
+        """Each layer's row JSON (the map's digest is computed over exactly these texts)."""
+        with self._lock:
+            return list(self._known_rows())
+
+    def state(self) -> LayoutState:
+        """The record's state now, map included."""
+        with self._lock:
+            return self.state_with(self.physical_to_logical_map())
+
+    def state_with(self, physical_to_logical_map: Map) -> LayoutState:
+        """This state with a map read elsewhere (a replay that knows the map by its digest)."""
+        with self._lock:
+            return LayoutState(
+                incarnation_id=self.incarnation_id,
+                geometry=self.geometry,
+                version=self.version,
+                digest=self.digest,
+                physical_to_logical_map=physical_to_logical_map,
+                pending=self.pending,
+                dirty=self.dirty,
+                attached=tuple(self._attached),
+                non_following_fetch=self.non_following_fetch,
+            )
+
+    def physical_to_logical_map(self) -> Map:
+        import json
+
+        with self._lock:
+            return [json.loads(text) for text in self._known_rows()]
+
+    def _known_rows(self) -> list[str]:
+        if self._row_jsons is None:
+            raise LedgerError(
+                f"incarnation {self.incarnation_id}'s map at version {self.version} is known by "
+                f"its digest only (its rows were pruned)"
+            )
+        return self._row_jsons
+
+    # --- transitions --------------------------------------------------------------------
+
+    def start(self, label: str | None = None, at: str | None = None) -> None:
+        """Append the incarnation's start: version 0, every layer's row and fingerprints."""
+        with self._lock:
+            rows = dict(enumerate(self._known_rows()))
+            self.journal.append(
+                [
+                    ev.Event(
+                        at=at or self._clock(),
+                        kind=ev.START,
+                        layers=tuple(rows),
+                        new_version=0,
+                        digest_after=self.digest,
+                        reason=label or None,
+                    )
+                ],
+                rows,
+                self.content,
+            )
+
+    def attach(self, engine_id: Any) -> None:
+        """Attach an engine (hold ``lock`` around this and ``state`` for the attach reply)."""
+        with self._lock:
+            try:
+                engine_id = rules.check_attach(self, engine_id)
+            except RequestRefused as exc:
+                self._refuse("attach", engine_id, exc)
+            at = self._clock()
+            self.journal.append(
+                [ev.Event(at=at, kind=ev.ATTACH, engine_id=engine_id, new_version=self.version)]
+            )
+            self._attached[engine_id] = at
+
+    def detach(self, engine_id: str, reason: str = EOF_DETACH) -> DirtyMark | None:
+        """An engine's attach connection closed. Returns the dirty mark if its move was pending."""
+        with self._lock:
+            if engine_id not in self._attached:
+                raise EngineNotAttached(f"engine {engine_id!r} is not attached; nothing to detach")
+            at = self._clock()
+            detached = ev.Event(at=at, kind=ev.DETACH, engine_id=engine_id, reason=reason)
+            pending = self.pending
+            if pending is None or pending.engine_id != engine_id:
+                self.journal.append([detached])
+                del self._attached[engine_id]
+                return None
+            mark = DirtyMark(move=pending, at=at)
+            self.journal.append([detached, _move_event(ev.DIRTY, pending, at, reason=mark.reason)])
+            del self._attached[engine_id]
+            self.pending = None
+            self.dirty = mark
+            return mark
+
+    def begin(self, engine_id: Any, base_version: Any, layers: Any) -> PendingMove:
+        with self._lock:
+            try:
+                valid_layers = rules.check_begin(self, engine_id, base_version, layers)
+            except (RequestRefused, MoveBusy) as exc:
+                self._refuse("begin", engine_id, exc)
+            at = self._clock()
+            move = PendingMove(
+                engine_id=engine_id, layers=valid_layers, base_version=base_version, since=at
+            )
+            self.journal.append([_move_event(ev.BEGIN, move, at)])
+            self.pending = move
+            return move
+
+    def commit(
+        self, engine_id: Any, rows: Any, fingerprints_of: Fingerprinter | None = None
+    ) -> tuple[int, str]:
+        """Store the pending layers' new rows; returns (new version, digest of the whole map).
+
+        With ``fingerprints_of`` (a daemon that records content) the moved layers' slots are
+        fingerprinted once the commit is accepted (the engine synchronized before sending it) and
+        recorded with the rows; a slot that holds another expert than its new row names marks the
+        daemon dirty after the commit (``committed_content_problems``).
+        """
+        with self._lock:
+            try:
+                move, new_row_jsons = rules.check_commit(self, engine_id, rows)
+            except RequestRefused as exc:
+                self._refuse("commit", engine_id, exc)
+            row_jsons = list(self._known_rows())
+            for layer, text in new_row_jsons.items():
+                row_jsons[layer] = text
+            found = None
+            if fingerprints_of is not None and self.content is not None:
+                found = self._fingerprints_now(fingerprints_of, move.layers)
+            version, digest = self._committed(
+                move, digest_of_row_jsons(row_jsons), new_row_jsons, row_jsons, fingerprints=found
+            )
+            if found is not None:
+                self._check_committed_content(found)
+            return version, digest
+
+    def commit_recorded(
+        self, engine_id: Any, layers: Sequence[int], digest: str
+    ) -> tuple[int, str]:
+        """Replay a commit known by its layers and recorded digest (its rows need not be held).
+
+        The same rules as ``commit`` except the rows' own validation and digest, which
+        ``verify`` checks against the rows wherever they are held. The map becomes unknown
+        until ``restore_map``.
+        """
+        with self._lock:
+            try:
+                move = rules.check_recorded_commit(self, engine_id, layers)
+            except RequestRefused as exc:
+                self._refuse("commit", engine_id, exc)
+            return self._committed(move, digest, None, None)
+
+    def _committed(
+        self,
+        move: PendingMove,
+        digest: str,
+        new_row_jsons: dict[int, str] | None,
+        row_jsons: list[str] | None,
+        *,
+        fingerprints: LocalFingerprints | None = None,
+        kind: str = ev.COMMIT,
+    ) -> tuple[int, str]:
+        """A new version (a commit's, or a repair's): append, then take it on."""
+        new_version = self.version + 1
+        event = _move_event(kind, move, self._clock(), new_version=new_version, digest_after=digest)
+        rows = new_row_jsons if new_row_jsons is not None else {}
+        self.journal.append([event], rows, fingerprints)
+        self._row_jsons = row_jsons
+        self.version = new_version
+        self.digest = digest
+        self.pending = None
+        if fingerprints is not None and self.content is not None:
+            self.content = self.content.updated(fingerprints)
+        return new_version, digest
+
+    def restore_map(self, row_jsons: Sequence[str]) -> None:
+        """Know the map again (a replay past pruned rows); it must give the current digest."""
+        with self._lock:
+            digest = digest_of_row_jsons(row_jsons)
+            if digest != self.digest:
+                raise LedgerError(
+                    f"the rows of version {self.version} give digest {digest[:12]}, not the "
+                    f"recorded {self.digest[:12]}"
+                )
+            self._row_jsons = list(row_jsons)
+
+    def abort(self, engine_id: Any) -> None:
+        with self._lock:
+            try:
+                move = rules.check_abort(self, engine_id)
+            except RequestRefused as exc:
+                self._refuse("abort", engine_id, exc)
+            self.journal.append([_move_event(ev.ABORT, move, self._clock())])
+            self.pending = None
+
+    def fetch(self, field: Any) -> rules.FetchVerdict:
+        """The fetch_state check; a served non-following fetch disables moves until restart."""
+        with self._lock:
+            try:
+                verdict = rules.check_fetch(self, field)
+            except RequestRefused as exc:
+                named = field.get("engine_id") if isinstance(field, dict) else None
+                self._refuse("fetch", named, exc)
+            if not verdict.following:
+                self.journal.append(
+                    [
+                        ev.Event(
+                            at=self._clock(),
+                            kind=ev.NON_FOLLOWING_FETCH,
+                            engine_id=verdict.engine_id,
+                            new_version=self.version,
+                            digest_after=self.digest,
+                            reason=verdict.reason,
+                        )
+                    ]
+                )
+                self.non_following_fetch = True
+            return verdict
+
+    # --- content: the load check, the content check, repairs ------------------------------------
+
+    def check_loaded_content(self, enforce: bool = True) -> str | None:
+        """After the start: slots the map gives one expert must hold the same bytes. Returns
+        the problem in words (None: none); with ``enforce`` the daemon is marked dirty for it."""
+        with self._lock:
+            if self.content is None:
+                return None
+            problems = rules.loaded_content_problems(self.physical_to_logical_map(), self.content)
+            if not problems:
+                return None
+            problem = "the weights this daemon loaded do not match its layout: " + "; ".join(
+                problems.values()
+            )
+            if enforce:
+                self.mark_content_dirty(
+                    sorted(problems),
+                    problem + "; restart the daemon (its loader left slots it should have filled)",
+                )
+            return problem
+
+    def mark_content_dirty(self, layers: Sequence[int], reason: str) -> DirtyMark:
+        """The slots' content is not what the record says: the layout is unknown (refused like
+        a daemon an engine left mid-move)."""
+        with self._lock:
+            try:
+                rules.check_content_mark(self)
+            except RequestRefused as exc:
+                raise LedgerError(f"cannot mark the content dirty: {exc}") from exc
+            at = self._clock()
+            finding = ContentFinding(tuple(sorted(layers)), self.version, ev.clip(reason) or "")
+            self.journal.append(
+                [
+                    ev.Event(
+                        at=at,
+                        kind=ev.CONTENT_DIRTY,
+                        layers=finding.layers,
+                        base_version=self.version,
+                        reason=finding.reason,
+                    )
+                ]
+            )
+            self.dirty = DirtyMark(move=None, at=at, content=finding)
+            return self.dirty
+
+    def content_check(self, fingerprints_of: Fingerprinter) -> ContentState:
+        """Compare the slots' fingerprints now with the record (but the layers a move is
+        changing); content that moved without a commit marks a clean daemon dirty."""
+        if self.content is None:
+            raise NoContentRecord(rules.NO_CONTENT_RECORD)
+        current = self._fingerprints_now(fingerprints_of)
+        with self._lock:
+            recorded = self.content
+            if recorded is None:
+                raise NoContentRecord(rules.NO_CONTENT_RECORD)
+            skip = set() if self.pending is None else set(self.pending.layers)
+            if self.dirty is not None and self.dirty.move is not None:
+                skip |= set(self.dirty.move.layers)
+            changed = changed_slots(recorded, current, skip)
+            if changed and self.dirty is None:
+                the_map = self.physical_to_logical_map()
+                self.mark_content_dirty(
+                    sorted(changed),
+                    "slot content moved without a commit: "
+                    + describe_changes(changed, current, self.known, the_map)
+                    + "; restart the daemon",
+                )
+            return ContentState(self.state(), recorded, current)
+
+    def repair(
+        self, engine_id: Any, rows: Any, fingerprints: Any, fingerprints_of: Fingerprinter | None
+    ) -> tuple[int, str]:
+        """Record the layout the dirty move's layers hold (checked against this daemon's own
+        fingerprints now, ``fingerprints_of``) as a new version, and clear the dirty mark."""
+        current = None
+        if self.content is not None and fingerprints_of is not None:
+            current = self._fingerprints_now(fingerprints_of)
+        with self._lock:
+            content = None
+            if self.content is not None and current is not None:
+                content = rules.DaemonContent(self.content, current, self.known)
+            try:
+                move, valid_rows, claimed = rules.check_repair(
+                    self, engine_id, rows, fingerprints, content
+                )
+            except RequestRefused as exc:
+                self._refuse("repair", engine_id, exc)
+            new_row_jsons = {layer: row_json(row) for layer, row in valid_rows.items()}
+            row_jsons = list(self._known_rows())
+            for layer, text in new_row_jsons.items():
+                row_jsons[layer] = text
+            digest = digest_of_row_jsons(row_jsons)
+            repairer = dataclasses.replace(move, engine_id=engine_id)
+            result = self._committed(
+                repairer, digest, new_row_jsons, row_jsons, fingerprints=claimed, kind=ev.REPAIR
+            )
+            self.dirty = None
+            self._learn(self.physical_to_logical_map(), claimed)
+            return result
+
+    def repair_recorded(
+        self, engine_id: Any, layers: Sequence[int], digest: str
+    ) -> tuple[int, str]:
+        """Replay a repair known by its layers and recorded digest (as ``commit_recorded``)."""
+        with self._lock:
+            try:
+                move = rules.check_recorded_repair(self, engine_id, layers)
+            except RequestRefused as exc:
+                self._refuse("repair", engine_id, exc)
+            repairer = dataclasses.replace(move, engine_id=engine_id)
+            result = self._committed(repairer, digest, None, None, kind=ev.REPAIR)
+            self.dirty = None
+            return result
+
+    def _fingerprints_now(
+        self, fingerprints_of: Fingerprinter, layers: Sequence[int] | None = None
+    ) -> LocalFingerprints:
+        """The slots' fingerprints now (of ``layers``, or every layer); a device error is a
+        ``LedgerError``: the daemon answers ``error``, never a verdict it did not reach."""
+        try:
+            found = fingerprints_of(layers)
+        except Exception as exc:
+            what = "this daemon's slots" if layers is None else f"the moved layers {list(layers)}"
+            raise LedgerError(f"fingerprinting {what} failed: {exc}") from exc
+        return found if layers is None else found.only(layers)
+
+    def _check_committed_content(self, found: LocalFingerprints) -> None:
+        the_map = self.physical_to_logical_map()
+        problems = rules.committed_content_problems(the_map, found, self.known)
+        self._learn(the_map, found)
+        if problems and self.dirty is None:
+            self.mark_content_dirty(
+                sorted(problems),
+                f"after the commit of version {self.version}, slots do not hold the experts the "
+                f"map names: " + "; ".join(problems.values()) + "; restart the daemon",
+            )
+
+    def _learn(self, the_map: Map, local: LocalFingerprints) -> None:
+        for layer, fingerprints in local.layers.items():
+            self.known.learn_slots(layer, the_map[layer], fingerprints, local.first_slot)
+
+    def shut_down(self) -> str:
+        """The daemon stops: end the incarnation, dirty if the layout is unknown or in flux."""
+        with self._lock:
+            state = "dirty" if (self.dirty or self.pending) else "clean"
+            reason = END_SHUTDOWN
+            if self.pending is not None:
+                reason += f" while a move of engine {self.pending.engine_id!r} was pending"
+            return self._end(state, reason)
+
+    def end_found_unended(self, at: str | None = None) -> str:
+        """A later daemon start found this incarnation unended: its process died."""
+        with self._lock:
+            state = "dirty" if self.dirty is not None else "unknown"
+            reason = END_FOUND_UNENDED
+            if self.pending is not None:
+                pending = self.pending
+                reason += (
+                    f"; a move was pending (engine {pending.engine_id!r}, layers "
+                    f"{list(pending.layers)}, from version {pending.base_version})"
+                )
+            return self._end(state, reason, at)
+
+    def _end(self, state: str, reason: str, at: str | None = None) -> str:
+        if self.end_state is not None:
+            raise LedgerError(f"incarnation {self.incarnation_id} has already ended")
+        event = ev.Event(at=at or self._clock(), kind=ev.END, reason=f"{state}: {reason}")
+        self.journal.append([event])
+        self.end_state = state
+        self._attached.clear()
+        return state
+
+    # --- refusals -------------------------------------------------------------------------
+
+    def record_refusal(self, verb: str, engine_id: Any, reason: str, *, busy: bool = False) -> None:
+        """Append the one event a refused (or busy) request leaves; nothing else changes."""
+        with self._lock:
+            kind = ev.BEGIN_BUSY if busy else ev.refused_kind(verb)
+            self._append_refusal(kind, engine_id, reason, self._clock())
+
+    def _append_refusal(self, kind: str, engine_id: Any, reason: str, at: str) -> None:
+        named = engine_id if isinstance(engine_id, str) else None
+        self.journal.append(
+            [
+                ev.Event(
+                    at=at,
+                    kind=kind,
+                    engine_id=ev.clip(named),
+                    new_version=self.version,
+                    reason=ev.clip(reason),
+                )
+            ]
+        )
+
+    def check_request_engine_id(self, verb: str, engine_id: Any) -> None:
+        """Refuse a request whose engine id ``rules.check_request_engine_id`` refuses."""
+        with self._lock:
+            try:
+                rules.check_request_engine_id(engine_id)
+            except RequestRefused as exc:
+                self._refuse(verb, engine_id, exc)
+
+    def _refuse(self, verb: str, engine_id: Any, exc: LedgerError) -> NoReturn:
+        """Record the refusal's one event, then raise it (a failed record is only logged).
+
+        The event names the engine only by an id a request may name (``rules``).
+        """
+        kind = ev.BEGIN_BUSY if isinstance(exc, MoveBusy) else ev.refused_kind(verb)
+        named = rules.recordable_engine_id(engine_id)
+        try:
+            self._append_refusal(kind, named, str(exc), self._clock())
+        except LedgerError as failure:
+            logger.error("could not record a refused %s in the ledger: %s", verb, failure)
+        raise exc
+
+
+def _move_event(kind: str, move: PendingMove, at: str, **fields: Any) -> ev.Event:
+    """The event of one step of ``move`` (begin, commit, abort, dirty)."""
+    return ev.Event(
+        at=at,
+        kind=kind,
+        engine_id=move.engine_id,
+        layers=move.layers,
+        base_version=move.base_version,
+        **fields,
+    )

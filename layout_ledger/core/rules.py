@@ -1,0 +1,410 @@
+"""The protocol's rules, one function per request, each raising the refusal it names.
+
+Every function is pure: it reads a state view and the request's fields and either returns the
+validated input or raises. ``LayoutRecord`` calls them under its lock before it writes anything,
+so a refused request can never change the record.
+
+Order inside ``check_begin`` follows docs/protocol.md: "A begin that would be refused is
+refused, never busy", so every permanent refusal is checked before the two busy conditions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from layout_ledger.core import errors
+from layout_ledger.core.content import (
+    ZERO,
+    ExpertContents,
+    LocalFingerprints,
+    changed_slots,
+    fingerprints_from_wire,
+    replica_disagreements,
+    short,
+)
+from layout_ledger.core.layout import (
+    Geometry,
+    check_row_layers,
+    is_int,
+    validate_layers,
+    validate_rows,
+    validate_rows_json,
+)
+from layout_ledger.core.state import DirtyMark, PendingMove
+
+MAX_ENGINE_ID = 256
+# How many characters of a refused engine id its refusal's reason shows (escaped).
+SHOWN_ENGINE_ID_CHARS = 64
+
+# Why a served fetch counts as non-following (the reason its event records).
+FETCH_WITHOUT_FIELD = (
+    "fetch without the expert_layout field (an engine without the expert layout plugin) while "
+    "no expert has moved"
+)
+FETCH_UNATTACHED = "fetch with a matching layout from an engine with no live attachment"
+
+
+class StateView(Protocol):
+    @property
+    def geometry(self) -> Geometry: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def digest(self) -> str: ...
+    @property
+    def pending(self) -> PendingMove | None: ...
+    @property
+    def dirty(self) -> DirtyMark | None: ...
+    @property
+    def attached(self) -> Collection[str]: ...
+    @property
+    def non_following_fetch(self) -> bool: ...
+
+
+def check_engine_id(engine_id: Any) -> str:
+    """An engine id is a non-empty string of at most ``MAX_ENGINE_ID`` characters.
+
+    Every transition applies it, a replayed one too. A request's id must also be printable
+    text (``check_request_engine_id``).
+    """
+    if not isinstance(engine_id, str) or not engine_id:
+        raise errors.InvalidRequest(
+            f"engine_id must be a non-empty string, got {type(engine_id).__name__}"
+        )
+    if len(engine_id) > MAX_ENGINE_ID:
+        raise errors.InvalidRequest(
+            f"engine_id is {len(engine_id)} characters; at most {MAX_ENGINE_ID} are allowed "
+            f"(got {shown_engine_id(engine_id)})"
+        )
+    return engine_id
+
+
+def check_request_engine_id(engine_id: Any) -> str:
+    """The engine id a request may name: ``check_engine_id``'s, and printable text.
+
+    Printable as Python's ``str.isprintable`` says: no control, format, separator (but the ASCII
+    space), surrogate, private-use or unassigned character. Ids travel into the ledger, the
+    daemon's log and the operator's terminal, where a newline or an escape sequence would let
+    an id forge output. The record applies this to every request that names an engine (attach,
+    begin, commit, abort, fetch), before its transition; a replay runs the transitions on the
+    stored ids as they are, leaving their text to ``verify`` as it leaves every stored text.
+    """
+    valid_id = check_engine_id(engine_id)
+    if not valid_id.isprintable():
+        raise errors.InvalidRequest(
+            f"engine_id must be printable text (no control, format or line separator "
+            f"characters), got {shown_engine_id(valid_id)}"
+        )
+    return valid_id
+
+
+def shown_engine_id(engine_id: str) -> str:
+    """A refused engine id as a reason shows it: its first characters, escaped to ASCII."""
+    shown = ascii(engine_id[:SHOWN_ENGINE_ID_CHARS])
+    if len(engine_id) > SHOWN_ENGINE_ID_CHARS:
+        shown += f" (the first {SHOWN_ENGINE_ID_CHARS} of {len(engine_id)} characters)"
+    return shown
+
+
+def recordable_engine_id(engine_id: Any) -> str | None:
+    """The engine id a refused request's event stores: the id if a request may name it, else
+    None (a refused id is never stored; the refusal's reason shows it, ``shown_engine_id``)."""
+    try:
+        return check_request_engine_id(engine_id)
+    except errors.InvalidRequest:
+        return None
+
+
+def check_attach(state: StateView, engine_id: Any) -> str:
+    valid_id = check_engine_id(engine_id)
+    if valid_id in state.attached:
+        raise errors.EngineAlreadyAttached(
+            f"engine {valid_id!r} is already attached to this daemon; every engine start needs "
+            f"a new engine_id (is an older instance of this engine still exiting?)"
+        )
+    return valid_id
+
+
+def check_begin(
+    state: StateView, engine_id: Any, base_version: Any, layers: Any
+) -> tuple[int, ...]:
+    """Return the validated, sorted layers, or raise ``RequestRefused`` / ``MoveBusy``."""
+    engine_id = check_engine_id(engine_id)
+    if state.dirty is not None:
+        raise errors.LayoutDirty(f"this daemon's expert layout is unknown: {state.dirty.reason}")
+    if engine_id not in state.attached:
+        raise errors.EngineNotAttached(
+            f"engine {engine_id!r} is not attached; send expert_layout_attach on a connection "
+            f"kept open for the engine's lifetime before moving experts"
+        )
+    pending = state.pending
+    if pending is not None and pending.engine_id == engine_id:
+        raise errors.MoveAlreadyPending(
+            f"engine {engine_id!r} already has a move of layers {list(pending.layers)} pending; "
+            f"commit or abort it first"
+        )
+    if not is_int(base_version):
+        raise errors.InvalidRequest(
+            f"base_version must be an int, got {type(base_version).__name__}"
+        )
+    if base_version != state.version:
+        raise errors.StaleBaseVersion(
+            f"base_version {base_version} is not the current version {state.version}; the "
+            f"engine's layout is out of date, restart it so it starts from the daemon's layout"
+        )
+    valid_layers = validate_layers(layers, state.geometry)
+    if state.non_following_fetch:
+        raise errors.MovesDisabled(
+            "an engine that does not follow the expert layout (no live attachment, or an older "
+            "engine without the expert_layout field) has fetched these weights, and the daemon "
+            "cannot tell when it exits; no engine may move experts until the daemon restarts"
+        )
+    others = [other for other in state.attached if other != engine_id]
+    if others:
+        raise errors.MoveBusy(
+            f"other engines are attached to this daemon ({', '.join(sorted(others))}); only an "
+            f"engine alone on its daemon may move experts, try again later"
+        )
+    if pending is not None:
+        raise errors.MoveBusy(
+            f"engine {pending.engine_id!r} has a move of layers {list(pending.layers)} pending; "
+            f"try again later"
+        )
+    return valid_layers
+
+
+def _own_pending(state: StateView, engine_id: str, verb: str) -> PendingMove:
+    pending = state.pending
+    if pending is None or pending.engine_id != engine_id:
+        owner = "" if pending is None else f" (engine {pending.engine_id!r} has the pending move)"
+        raise errors.NoPendingMove(
+            f"engine {engine_id!r} has no move pending{owner}; send expert_layout_begin before "
+            f"expert_layout_{verb}"
+        )
+    return pending
+
+
+def check_commit(state: StateView, engine_id: Any, rows: Any) -> tuple[PendingMove, dict[int, str]]:
+    """The pending move and each valid row's compact JSON text (what the ledger stores)."""
+    pending = _committer(state, engine_id)
+    return pending, validate_rows_json(rows, pending.layers, state.geometry)
+
+
+def check_recorded_commit(state: StateView, engine_id: Any, layers: Any) -> PendingMove:
+    """``check_commit`` for a commit known by its layers alone (a replay of a ledger's history)."""
+    pending = _committer(state, engine_id)
+    check_row_layers(layers, pending.layers)
+    return pending
+
+
+def _committer(state: StateView, engine_id: Any) -> PendingMove:
+    engine_id = check_engine_id(engine_id)
+    if state.dirty is not None:
+        raise errors.LayoutDirty(f"this daemon's expert layout is unknown: {state.dirty.reason}")
+    return _own_pending(state, engine_id, "commit")
+
+
+def check_abort(state: StateView, engine_id: Any) -> PendingMove:
+    return _own_pending(state, check_engine_id(engine_id), "abort")
+
+
+@dataclass(frozen=True)
+class FetchVerdict:
+    """A fetch the daemon serves; ``following`` is False for a non-following fetch."""
+
+    following: bool
+    engine_id: str | None
+    reason: str
+
+
+def check_fetch(state: StateView, field: Any) -> FetchVerdict:
+    """The ``fetch_state`` layout check: serve (following or not) or raise ``RequestRefused``."""
+    if state.dirty is not None:
+        raise errors.LayoutDirty(
+            f"this daemon's expert layout is unknown, so its weights cannot be served: "
+            f"{state.dirty.reason}"
+        )
+    if state.pending is not None:
+        pending = state.pending
+        raise errors.LayoutMismatch(
+            f"engine {pending.engine_id!r} is moving layers {list(pending.layers)} from version "
+            f"{pending.base_version}; the weights are in flux, retry after it commits or aborts"
+        )
+    if field is None:
+        if state.version == 0:
+            return FetchVerdict(following=False, engine_id=None, reason=FETCH_WITHOUT_FIELD)
+        raise errors.LayoutMismatch(
+            f"this daemon's experts have moved (layout version {state.version}) and the engine "
+            f"did not send the expert_layout field, so it would route with the initial layout; "
+            f"upgrade the engine (install the expert layout plugin) or restart the daemon"
+        )
+    if not isinstance(field, dict):
+        raise errors.InvalidRequest(
+            f"expert_layout must be a dict with engine_id, version and digest, got "
+            f"{type(field).__name__}"
+        )
+    engine_id = field.get("engine_id")
+    if engine_id is not None:
+        engine_id = check_engine_id(engine_id)
+    digest = field.get("digest")
+    version = field.get("version")
+    if not isinstance(digest, str):
+        raise errors.InvalidRequest("expert_layout.digest must be the map's SHA-256 hex string")
+    if digest != state.digest:
+        raise errors.LayoutMismatch(
+            f"the engine routes with layout version {version!r} (digest {digest[:12]}...) but "
+            f"this daemon holds version {state.version} (digest {state.digest[:12]}...); restart "
+            f"the engine so it starts from the daemon's layout"
+        )
+    if engine_id is not None and engine_id in state.attached:
+        return FetchVerdict(following=True, engine_id=engine_id, reason="")
+    return FetchVerdict(following=False, engine_id=engine_id, reason=FETCH_UNATTACHED)
+
+
+# --- content: the load check, the dirty mark, repairs ---------------------------------------------
+
+
+def check_content_mark(state: StateView) -> None:
+    """A content dirty mark needs a daemon whose layout is still known."""
+    if state.dirty is not None:
+        raise errors.LayoutDirty(f"this daemon's expert layout is unknown: {state.dirty.reason}")
+
+
+def loaded_content_problems(
+    physical_to_logical_map: Sequence[Sequence[int]], local: LocalFingerprints
+) -> dict[int, str]:
+    """At load: slots the map gives one expert must hold the same bytes (per layer, in words)."""
+    return replica_disagreements(physical_to_logical_map, local)
+
+
+def committed_content_problems(
+    physical_to_logical_map: Sequence[Sequence[int]],
+    local: LocalFingerprints,
+    known: ExpertContents,
+) -> dict[int, str]:
+    """After a move: each moved slot must hold the expert its new row names, as far as this
+    daemon knows that expert's content (an expert it never held is learned, not checked)."""
+    found: dict[int, str] = {}
+    for layer, fingerprints in sorted(local.layers.items()):
+        texts = []
+        for index, fingerprint in enumerate(fingerprints):
+            slot = local.first_slot + index
+            named = int(physical_to_logical_map[layer][slot])
+            held = known.identify(layer, fingerprint)
+            expected = known.fingerprint_of(layer, named)
+            wrong_expert = held.whole_expert and held.expert != named
+            if fingerprint == ZERO or wrong_expert or (expected not in (None, fingerprint)):
+                texts.append(f"slot {slot} holds {held.text}, not expert {named}")
+        if texts:
+            found[layer] = f"layer {layer}: " + "; ".join(texts)
+    return found
+
+
+def _repaired_layer_problems(
+    layer: int, row: Sequence[int], local: LocalFingerprints, known: ExpertContents
+) -> list[str]:
+    problems = []
+    for index, fingerprint in enumerate(local.layers[layer]):
+        slot = local.first_slot + index
+        named = int(row[slot])
+        held = known.identify(layer, fingerprint)
+        expected = known.fingerprint_of(layer, named)
+        if fingerprint == ZERO or (held.whole_expert and held.expert != named):
+            problems.append(f"layer {layer} slot {slot} holds {held.text}, not expert {named}")
+        elif expected is not None and expected != fingerprint:
+            problems.append(
+                f"layer {layer} slot {slot} holds {held.text}, not expert {named} "
+                f"({short(expected)}...)"
+            )
+    return problems
+
+
+@dataclass(frozen=True)
+class DaemonContent:
+    """What a daemon knows of its slots' content: recorded, found now, and every expert's."""
+
+    recorded: LocalFingerprints
+    current: LocalFingerprints
+    known: ExpertContents
+
+
+def check_repair(
+    state: StateView, engine_id: Any, rows: Any, fingerprints: Any, content: DaemonContent | None
+) -> tuple[PendingMove, dict[int, list[int]], LocalFingerprints]:
+    """A repair: the dirty move's layers, rows and fingerprints the daemon's own content shows.
+
+    Returns the dirty move, the validated rows and the fingerprints; raises ``RequestRefused``.
+    """
+    move = _repairable(state, engine_id)
+    if content is None:
+        raise errors.NoContentRecord(NO_CONTENT_RECORD)
+    valid_rows = validate_rows(rows, move.layers, state.geometry)
+    fingerprinted = [layer for layer in move.layers if layer in content.recorded.layers]
+    first, count = content.recorded.first_slot, _local_slot_count(content.recorded)
+    claimed = fingerprints_from_wire(fingerprints, fingerprinted, first, count)
+    for layer in fingerprinted:
+        for index, (said, found) in enumerate(
+            zip(claimed.layers[layer], content.current.layers[layer], strict=True)
+        ):
+            if said != found:
+                raise errors.ContentMismatch(
+                    f"layer {layer} slot {first + index}: the repair says {short(said)}... but "
+                    f"this daemon's slot holds {short(found)}...; the content changed, or the "
+                    f"engine read other weights"
+                )
+    moved = changed_slots(content.recorded, content.current, skip=move.layers)
+    if moved:
+        layer, indexes = next(iter(moved.items()))
+        raise errors.ContentMismatch(
+            f"content outside the pending layers moved without a commit (layer {layer} slots "
+            f"{[first + index for index in indexes]}); a repair records only the pending layers, "
+            f"restart the daemon"
+        )
+    problems = [
+        text
+        for layer in fingerprinted
+        for text in _repaired_layer_problems(layer, valid_rows[layer], claimed, content.known)
+    ]
+    if problems:
+        raise errors.ContentMismatch(
+            "the repair's rows do not name what the slots hold: " + "; ".join(problems[:8])
+        )
+    return move, valid_rows, claimed
+
+
+def check_recorded_repair(state: StateView, engine_id: Any, layers: Any) -> PendingMove:
+    """``check_repair`` for a repair known by its layers alone (a replay of a ledger's history)."""
+    move = _repairable(state, engine_id)
+    check_row_layers(layers, move.layers)
+    return move
+
+
+def _repairable(state: StateView, engine_id: Any) -> PendingMove:
+    engine_id = check_engine_id(engine_id)
+    if engine_id not in state.attached:
+        raise errors.EngineNotAttached(
+            f"engine {engine_id!r} is not attached; attach before repairing the layout"
+        )
+    dirty = state.dirty
+    if dirty is None:
+        raise errors.NothingToRepair(
+            "this daemon's expert layout is known (it is not dirty); there is nothing to repair"
+        )
+    if dirty.move is None:
+        raise errors.NotRepairable(
+            f"this daemon is dirty because {dirty.reason}; a repair only records the layout an "
+            f"engine's unfinished move left, restart the daemon"
+        )
+    return dirty.move
+
+
+def _local_slot_count(local: LocalFingerprints) -> int:
+    return len(next(iter(local.layers.values()), ()))
+
+
+NO_CONTENT_RECORD = (
+    "this daemon records no slot fingerprints (it runs with --expert-layout-content-check off, "
+    "or serves no expert tensors), so it cannot check the content of its slots"
+)

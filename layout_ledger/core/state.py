@@ -1,0 +1,129 @@
+"""The state of a daemon's layout record at one moment, and the values it is made of.
+
+``LayoutState`` is what a record holds (``LayoutRecord.state()``); its wire form is
+``wire.protocol.LayoutView``. ``PendingMove`` is a begun move, ``DirtyMark`` why the layout is
+unknown, ``ContentState`` what a content check found.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+from layout_ledger.core.content import LocalFingerprints
+from layout_ledger.core.layout import Geometry, Map
+
+
+def utc_now() -> str:
+    """The ledger's timestamp format: ISO-8601 UTC with microseconds, sortable as text."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
+
+
+@dataclass(frozen=True)
+class PendingMove:
+    """A begun move: which engine, which layers, from which version.
+
+    ``since`` is when the daemon recorded the begin; the daemon and its ledger know it, the wire
+    does not carry it (a move read from the wire has ``since`` None).
+    """
+
+    engine_id: str
+    layers: tuple[int, ...]
+    base_version: int
+    since: str | None = None
+
+
+def dirty_reason_for(move: PendingMove) -> str:
+    """The one wording of why a daemon is dirty, used in the ledger and in every refusal."""
+    return (
+        f"engine {move.engine_id!r} detached while its move of layers {list(move.layers)} "
+        f"from version {move.base_version} was pending, so the weights of those layers may be "
+        f"half-moved; restart the daemon (it reloads the weights from disk) and the engines "
+        f"that use it"
+    )
+
+
+@dataclass(frozen=True)
+class ContentFinding:
+    """Content that is not what the record says: which layers, at which version, in words."""
+
+    layers: tuple[int, ...]
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class DirtyMark:
+    """Why the layout is unknown: the move that was pending when its engine left (``move``), or
+    slot content that does not match the record (``content``)."""
+
+    move: PendingMove | None
+    at: str
+    content: ContentFinding | None = None
+
+    @property
+    def reason(self) -> str:
+        if self.move is not None:
+            return dirty_reason_for(self.move)
+        if self.content is not None:
+            return self.content.reason
+        return "the layout is unknown"
+
+    @property
+    def repairable(self) -> bool:
+        """An engine left mid-move: the slots may hold whole experts in another layout."""
+        return self.move is not None
+
+    @property
+    def engine_id(self) -> str | None:
+        return None if self.move is None else self.move.engine_id
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        if self.move is not None:
+            return self.move.layers
+        return () if self.content is None else self.content.layers
+
+    @property
+    def base_version(self) -> int | None:
+        if self.move is not None:
+            return self.move.base_version
+        return None if self.content is None else self.content.version
+
+
+@dataclass(frozen=True)
+class LayoutState:
+    """One consistent snapshot of a daemon's record."""
+
+    incarnation_id: int
+    geometry: Geometry
+    version: int
+    digest: str
+    physical_to_logical_map: Map
+    pending: PendingMove | None = None
+    dirty: DirtyMark | None = None
+    attached: tuple[str, ...] = field(default_factory=tuple)
+    non_following_fetch: bool = False
+
+
+@dataclass(frozen=True)
+class ContentState:
+    """What a content check found: the record's state, the fingerprints it holds for the local
+    slots (``recorded``) and the ones the slots have now (``current``)."""
+
+    state: LayoutState
+    recorded: LocalFingerprints
+    current: LocalFingerprints
+
+    @property
+    def dirty(self) -> bool:
+        return self.state.dirty is not None
+
+    @property
+    def dirty_reason(self) -> str | None:
+        return None if self.state.dirty is None else self.state.dirty.reason
+
+    @property
+    def dirty_move(self) -> PendingMove | None:
+        """The unfinished move of an engine that left mid-move (the one cause a repair clears)."""
+        return None if self.state.dirty is None else self.state.dirty.move

@@ -1,0 +1,238 @@
+"""``verify``'s checks: is the file intact, and do its rows, versions and events agree?
+
+Checks, in order, inside one read transaction (a consistent snapshot while a daemon writes):
+
+- ``integrity_check``: SQLite's ``PRAGMA integrity_check``; ``foreign_key_check`` likewise.
+- per incarnation, ``version_chain``: its versions are 0..current without a gap.
+- per incarnation, ``digests``: the initial map gives the initial digest, which version 0
+  records; every held version (from the reconstructible floor) rebuilt from the rows gives
+  the digest its versions row records, and its rows are exactly the layers it lists.
+- per incarnation, ``events``: the stored events, replayed through the daemon's own rules
+  (``layout_ledger.store.replay``), are exactly what the daemon would have written: it starts with
+  ``start``; every transition is one the rules allow at that point (a commit needs its begin,
+  same engine, layers and base, and names the next version with that version's digest; a
+  ``dirty`` mark follows its engine's detach during its pending move, and only then; no begin
+  while dirty, after a non-following fetch or beside another engine; ...); after ``end`` only
+  ``prune``; every version has a commit; and the incarnation row's end state is its events'.
+
+- last, ``chain``: every event's chain value recomputed from the one before it and its own
+  fields (``layout_ledger.store.chain``), which also catches an edit that leaves a history the rules
+  allow; the head it reaches is printed, to compare with the daemon's log.
+
+Each check reports its first inconsistency; the report names the first of all of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from sqlalchemy import Connection, text
+
+from layout_ledger.core.errors import DamagedRow
+from layout_ledger.core.layout import layout_digest
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.store import chain
+from layout_ledger.store.migrate import file_revision
+from layout_ledger.store.replay import ReplayMismatch, StoredEvents, replay_incarnation
+from layout_ledger.store.rows import (
+    Incarnation,
+    incarnation,
+    incarnation_rows,
+)
+from layout_ledger.store.version_walk import WalkInconsistency, check_version_digests
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    check: str
+    incarnation_id: int | None
+    ok: bool
+    detail: str
+
+    @property
+    def label(self) -> str:
+        if self.incarnation_id is None:
+            return self.check
+        return f"incarnation {self.incarnation_id} {self.check}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    # Read-only properties its ``--json`` object shows (``cli.json_shape``).
+    json_properties: ClassVar[tuple[str, ...]] = ("ok", "first_inconsistency")
+
+    path: str
+    schema_revision: str | None
+    checks: tuple[CheckResult, ...]
+
+    @property
+    def inconsistencies(self) -> tuple[CheckResult, ...]:
+        return tuple(result for result in self.checks if not result.ok)
+
+    @property
+    def ok(self) -> bool:
+        return not self.inconsistencies
+
+    @property
+    def first_inconsistency(self) -> str | None:
+        bad = self.inconsistencies
+        return None if not bad else f"{bad[0].label}: {bad[0].detail}"
+
+
+class Inconsistent(Exception):
+    """Raised inside one check to stop it at its first inconsistency."""
+
+
+def _chain_check(conn: Connection) -> CheckResult:
+    """Recompute the events' hash chain (``layout_ledger.store.chain``); name the first break."""
+    previous = chain.GENESIS
+    rows = conn.exec_driver_sql(
+        f"SELECT event_id, {', '.join(chain.FIELDS)}, chain FROM events ORDER BY event_id"
+    )
+    count = 0
+    for event_id, *fields, stored in rows:
+        expected = chain.link(previous, fields)
+        if stored != expected:
+            return CheckResult(
+                "chain",
+                None,
+                False,
+                f"event #{event_id}'s chain value does not follow from the rows before it: a row "
+                f"at or before it was edited, inserted or deleted",
+            )
+        previous, count = expected, count + 1
+    return CheckResult("chain", None, True, f"{count} events chained, head {previous}")
+
+
+def _pragma_check(conn: Connection, pragma: str) -> CheckResult:
+    rows = conn.exec_driver_sql(f"PRAGMA {pragma}").all()
+    if pragma == "integrity_check":
+        messages = [str(row[0]) for row in rows]
+        if messages == ["ok"]:
+            return CheckResult(pragma, None, True, "ok")
+        shown = "; ".join(messages[:3])
+        more = f" (and {len(messages) - 3} more)" if len(messages) > 3 else ""
+        return CheckResult(pragma, None, False, shown + more)
+    if not rows:
+        return CheckResult(pragma, None, True, "ok")
+    table, rowid, parent = rows[0][0], rows[0][1], rows[0][2]
+    return CheckResult(
+        pragma,
+        None,
+        False,
+        f"{len(rows)} rows point at missing parents; first: {table} rowid {rowid} -> {parent}",
+    )
+
+
+def _check_version_chain(conn: Connection, inc: Incarnation) -> str:
+    versions = (
+        conn.execute(
+            text("SELECT version FROM versions WHERE incarnation_id = :i ORDER BY version"),
+            {"i": inc.incarnation_id},
+        )
+        .scalars()
+        .all()
+    )
+    if not versions:
+        raise Inconsistent("no versions at all (not even version 0)")
+    for expected, version in enumerate(versions):
+        if version != expected:
+            missing = expected if version == expected + 1 else f"{expected}..{version - 1}"
+            raise Inconsistent(f"version {missing} is missing before version {version}")
+    return f"versions 0..{versions[-1]} without gaps"
+
+
+def _check_digests(conn: Connection, inc: Incarnation) -> str:
+    initial = conn.execute(
+        text("SELECT initial_map FROM incarnations WHERE incarnation_id = :i"),
+        {"i": inc.incarnation_id},
+    ).scalar()
+    if layout_digest(json.loads(str(initial))) != inc.initial_digest:
+        raise Inconsistent(
+            f"the initial map does not give the recorded initial digest {inc.initial_digest[:12]}"
+        )
+    version_zero = conn.execute(
+        text("SELECT digest FROM versions WHERE incarnation_id = :i AND version = 0"),
+        {"i": inc.incarnation_id},
+    ).scalar()
+    if version_zero is not None and version_zero != inc.initial_digest:
+        raise Inconsistent(
+            f"version 0 records digest {str(version_zero)[:12]} but the initial digest is "
+            f"{inc.initial_digest[:12]}"
+        )
+    try:
+        first, last = check_version_digests(conn, inc)
+    except WalkInconsistency as exc:
+        raise Inconsistent(str(exc)) from exc
+    pruned = "" if not first else f"; versions 0..{first - 1} were pruned"
+    return f"digests of versions {first}..{last} recomputed from the rows match{pruned}"
+
+
+def _check_events(conn: Connection, inc: Incarnation) -> str:
+    """Replay the events through the daemon's own rules (``layout_ledger.store.replay``)."""
+    try:
+        record = replay_incarnation(conn, inc)
+    except ReplayMismatch as exc:
+        raise Inconsistent(str(exc)) from exc
+    current = conn.execute(
+        text("SELECT max(version) FROM versions WHERE incarnation_id = :i"),
+        {"i": inc.incarnation_id},
+    ).scalar()
+    if record.version != (current or 0):
+        raise Inconsistent(
+            f"the commits reach version {record.version} but the ledger holds versions up to "
+            f"{current}"
+        )
+    if record.end_state != inc.end_state:
+        raise Inconsistent(
+            f"the incarnation row says it ended {inc.end_state!r} but its events end it "
+            f"{record.end_state!r}"
+        )
+    stored = record.journal
+    count = stored.count if isinstance(stored, StoredEvents) else 0
+    return f"{count} events consistent"
+
+
+_INCARNATION_CHECKS: tuple[tuple[str, Callable[[Connection, Incarnation], str]], ...] = (
+    ("version_chain", _check_version_chain),
+    ("digests", _check_digests),
+    ("events", _check_events),
+)
+
+
+def collect_verify(ledger: LedgerReader) -> VerifyReport:
+    results = []
+    with ledger.connect() as conn:
+        revision = file_revision(conn)
+        results.append(_pragma_check(conn, "integrity_check"))
+        results.append(_pragma_check(conn, "foreign_key_check"))
+        for inc in incarnation_rows(conn):
+            if isinstance(inc, DamagedRow):
+                results.append(CheckResult("rows", inc.row_id, False, str(inc)))
+            else:
+                results.extend(_incarnation_checks(conn, inc))
+        # Last: an edit the rules can name is reported in their words first; the chain also
+        # catches edits that leave a history the rules allow.
+        results.append(_chain_check(conn))
+    return VerifyReport(str(ledger.path), revision, tuple(results))
+
+
+def _incarnation_checks(conn: Connection, inc: Incarnation) -> list[CheckResult]:
+    results = []
+    for name, check in _INCARNATION_CHECKS:
+        try:
+            detail = check(conn, inc)
+        except (Inconsistent, DamagedRow) as exc:
+            results.append(CheckResult(name, inc.incarnation_id, False, str(exc)))
+        else:
+            results.append(CheckResult(name, inc.incarnation_id, True, detail))
+    return results
+
+
+def verify_incarnation(ledger: LedgerReader, incarnation_id: int) -> list[CheckResult]:
+    """``verify``'s checks of one incarnation (its version chain, digests and events)."""
+    with ledger.connect() as conn:
+        return _incarnation_checks(conn, incarnation(conn, incarnation_id))

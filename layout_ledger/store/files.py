@@ -1,0 +1,160 @@
+"""What a ledger file and its companions must be before SQLite opens anything.
+
+SQLite reads a ledger's ``-wal`` (and ``-shm``, ``-journal``) by path, beside the file, and
+trusts them: someone else's ``-wal`` in a shared directory is content injected into the ledger.
+So every opener, the daemon and every CLI command alike, checks each companion that exists
+(``companions``) before SQLite sees the file: a regular file, not a link, owned by the ledger's
+owner, with no group or other write permission; anything else is refused with a message naming
+the file and what to do.
+
+A writer also requires the ledger itself to be a regular file of its own (``check_writable``):
+not a link, owned by this process's user, one name only (SQLite keeps a WAL per *path*, so two
+names of one file can each get a WAL and lose commits), no group or other write; and it
+tightens a looser mode such as 0644 to 0600 on the ledger and its companions, with one warning
+naming the old mode (``tighten_modes``). The default ledger directory is private
+(``ensure_private_directory``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+from layout_ledger.core.errors import LedgerFileError
+
+logger = logging.getLogger(__name__)
+
+FILE_MODE = 0o600
+DIRECTORY_MODE = 0o700
+# SQLite's files beside a ledger, and the writer's own lock-holder note.
+COMPANION_SUFFIXES = ("-wal", "-shm", "-journal", ".lock")
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+def companion(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def companions(path: Path) -> list[Path]:
+    """The companion files of ``path`` that exist now."""
+    return [
+        candidate
+        for suffix in COMPANION_SUFFIXES
+        if os.path.lexists(candidate := companion(path, suffix))
+    ]
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def check_companions(path: Path, owner: int) -> None:
+    """Refuse any companion of ``path`` that SQLite must not read (see the module docstring)."""
+    for file in companions(path):
+        info = os.lstat(file)
+        if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
+            what = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+            raise LedgerFileError(
+                f"{file} is {what}; SQLite would read it as part of the ledger {path.name}. "
+                f"Remove it (the daemon that owns the ledger writes its own) and retry"
+            )
+        if info.st_uid != owner:
+            raise LedgerFileError(
+                f"{file} is owned by uid {info.st_uid}, not by the ledger's owner (uid {owner}); "
+                f"someone else's file would be read as part of the ledger. Check who made it, "
+                f"remove it, and retry"
+            )
+        if info.st_mode & _OTHERS_WRITE:
+            raise LedgerFileError(
+                f"{file} has mode {stat.S_IMODE(info.st_mode):04o}: others may write it, and "
+                f"SQLite would read what they write as part of the ledger. If its content is "
+                f"yours, `chmod 600 {file}`; else remove it; then retry"
+            )
+
+
+def check_writable(path: Path) -> None:
+    """The ledger a writer may open (or create at ``path``); companions checked too."""
+    info = _lstat(path)
+    if info is not None:
+        if stat.S_ISLNK(info.st_mode):
+            raise LedgerFileError(
+                f"ledger {path} is a symlink; refusing to follow it. Pass the real path of the "
+                f"file (or a path where a new ledger may be created)"
+            )
+        if not stat.S_ISREG(info.st_mode):
+            raise LedgerFileError(f"ledger {path} is not a regular file")
+        if info.st_uid != os.geteuid():
+            raise LedgerFileError(
+                f"ledger {path} is owned by uid {info.st_uid} but this process runs as uid "
+                f"{os.geteuid()}; run the daemon as the file's owner or give it its own ledger "
+                f"path"
+            )
+        check_single_name(path, info)
+        if info.st_mode & _OTHERS_WRITE:
+            raise LedgerFileError(
+                f"ledger {path} has mode {stat.S_IMODE(info.st_mode):04o}: others may have "
+                f"written it. Check it (`layout-ledger verify {path}`), then `chmod 600 {path}` "
+                f"and retry"
+            )
+    check_companions(path, os.geteuid())
+
+
+def check_single_name(path: Path, info: os.stat_result) -> None:
+    if info.st_nlink > 1:
+        raise LedgerFileError(
+            f"ledger {path} has {info.st_nlink} hard links. SQLite keeps a ledger's WAL beside "
+            f"the name it was opened by, so a daemon on another name of this file would write "
+            f"a WAL of its own and commits could be lost. Remove the other names (find them "
+            f"with `find / -xdev -samefile {path}`) and open the ledger by one path"
+        )
+
+
+def tighten_modes(path: Path) -> None:
+    """Make the ledger and its companions 0600; warn once, naming every old mode."""
+    loosened = []
+    for file in [path, *companions(path)]:
+        mode = stat.S_IMODE(os.lstat(file).st_mode)
+        if mode & ~FILE_MODE:
+            os.chmod(file, FILE_MODE, follow_symlinks=False)
+            loosened.append(f"{file.name} was {mode:04o}")
+    if loosened:
+        logger.warning(
+            "expert layout ledger %s: tightened to mode 0600 (%s)", path, ", ".join(loosened)
+        )
+
+
+def ensure_private_directory(directory: Path) -> None:
+    """A directory only this user may enter: created 0700, else it must be ours and 0700."""
+    try:
+        os.mkdir(directory, DIRECTORY_MODE)
+        os.chmod(directory, DIRECTORY_MODE)  # whatever the umask
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise LedgerFileError(
+            f"cannot create the ledger directory {directory}: {exc.strerror}"
+        ) from exc
+    info = os.lstat(directory)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise LedgerFileError(
+            f"the ledger directory {directory} is not a directory (or is a symlink); remove it "
+            f"or pass another ledger path"
+        )
+    if info.st_uid != os.geteuid():
+        raise LedgerFileError(
+            f"the ledger directory {directory} belongs to uid {info.st_uid}, not to this daemon's "
+            f"user (uid {os.geteuid()}); someone else could replace the ledgers in it. Remove "
+            f"it, or pass a ledger path in a directory of your own"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        raise LedgerFileError(
+            f"the ledger directory {directory} has mode {mode:04o}; it must be 0700 so that no "
+            f"one else can add files beside the ledgers. `chmod 700 {directory}` and retry"
+        )

@@ -1,0 +1,425 @@
+"""An incarnation's state, derived by replaying its stored events through the record's own rules.
+
+Like etcd's single ``ReadAll`` loop: ``replay_incarnation`` builds a ``LayoutRecord`` from the
+incarnation's initial map whose journal is ``StoredEvents``, then turns each stored event back
+into the request that produced it (an attach, a begin, a commit known by its version's layers
+and digest, a refusal, ...) and runs that transition. The record appends exactly what the daemon
+would have appended at that point, and the journal compares it with the next stored row: a
+history the rules would not have written stops the replay with a ``ReplayMismatch`` naming the
+first event that differs. The same code therefore answers "what state is this incarnation in?"
+(``reader``, the daemon's next start) and "did the rules write this history?" (``verify``).
+
+A commit is replayed by its layers and recorded digest (``LayoutRecord.commit_recorded``), so
+pruned rows never stop a replay; ``verify``'s ``digests`` check recomputes every held version's
+digest from its rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+from layout_ledger.core import errors, rules
+from layout_ledger.core import events as ev
+from layout_ledger.core.content import LocalFingerprints
+from layout_ledger.core.layout import Map
+from layout_ledger.core.record import END_FOUND_UNENDED, Journal, LayoutRecord
+from layout_ledger.core.state import LayoutState, utc_now
+from layout_ledger.store.rows import Incarnation, current_version, incarnation, map_at
+
+
+class ReplayMismatch(Exception):
+    """A stored history the rules would not have written (the message names the first event)."""
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    event_id: int
+    event: ev.Event
+
+    @property
+    def where(self) -> str:
+        engine = self.event.engine_id
+        return f"event #{self.event_id} ({self.event.kind}" + (
+            f" by {engine!r})" if engine else ")"
+        )
+
+
+class StoredEvents:
+    """A replay's journal: each appended event must be the next stored one.
+
+    ``exact`` compares every field (``verify``, a daemon's next start); otherwise only what
+    decides the state (kind, engine, layers, base version), so that a reader can still show
+    the state of a ledger whose texts, times or digests were edited (``verify`` names those).
+    Once every stored event is consumed, appends go to ``then`` (a writer journal, so that a
+    daemon can end an incarnation its killed predecessor left open) or fail.
+    """
+
+    def __init__(
+        self, stored: Sequence[StoredEvent], then: Journal | None = None, *, exact: bool = True
+    ) -> None:
+        self._stored = stored
+        self._next = 0
+        self._then = then
+        self._same = _same_event if exact else _same_transition
+        self.record: LayoutRecord | None = None  # set by replay_incarnation, for messages
+
+    def peek(self) -> StoredEvent | None:
+        return self._stored[self._next] if self._next < len(self._stored) else None
+
+    def skip(self) -> None:
+        self._next += 1
+
+    @property
+    def count(self) -> int:
+        return len(self._stored)
+
+    def clock(self) -> str:
+        """The time of the event the record is about to append (now, past the history)."""
+        upcoming = self.peek()
+        return utc_now() if upcoming is None else upcoming.event.at
+
+    def append(
+        self,
+        events: Sequence[ev.Event],
+        rows: Mapping[int, str] | None = None,
+        fingerprints: LocalFingerprints | None = None,
+    ) -> None:
+        if self.peek() is None and self._then is not None:
+            self._then.append(events, rows, fingerprints)
+            return
+        for event in events:
+            stored = self.peek()
+            if _is_refusal(event.kind) and (stored is None or stored.event.kind != event.kind):
+                return  # the rules refuse what the history accepted: the record raises why
+            if stored is None:
+                raise ReplayMismatch(_missing(event))
+            if not self._same(stored.event, event):
+                raise ReplayMismatch(_differs(stored, event, self.record))
+            self._next += 1
+
+
+def replay_incarnation(
+    conn: Connection, inc: Incarnation, *, then: Journal | None = None, exact: bool = True
+) -> LayoutRecord:
+    """The record of ``inc`` after its whole stored history (see the module docstring)."""
+    journal = StoredEvents(_stored_events(conn, inc.incarnation_id), then, exact=exact)
+    record = LayoutRecord(
+        journal, inc.incarnation_id, inc.geometry, _initial_map(conn, inc), clock=journal.clock
+    )
+    journal.record = record
+    versions = _versions(conn, inc.incarnation_id)
+    started = False
+    while (stored := journal.peek()) is not None:
+        kind = stored.event.kind
+        if kind == ev.PRUNE:
+            journal.skip()  # bookkeeping of which rows are held, not a transition
+            continue
+        _check_order(stored, started, record)
+        started = True
+        _replay_one(record, stored, versions)
+    if not started:
+        raise ReplayMismatch("the incarnation has no start event")
+    return record
+
+
+def _check_order(stored: StoredEvent, started: bool, record: LayoutRecord) -> None:
+    kind = stored.event.kind
+    if not started and kind != ev.START:
+        raise ReplayMismatch(f"{stored.where} comes before the incarnation's start event")
+    if started and kind == ev.START:
+        raise ReplayMismatch(f"{stored.where} is a second start in one incarnation")
+    if record.end_state is not None:
+        raise ReplayMismatch(f"{stored.where} comes after the incarnation's end event")
+    if kind not in ev.ALL_KINDS:
+        raise ReplayMismatch(f"{stored.where} has an unknown kind")
+
+
+def _replay_one(
+    record: LayoutRecord, stored: StoredEvent, versions: Mapping[int, tuple[str, list[int]]]
+) -> None:
+    """Run the transition that wrote ``stored``; the journal compares what it appends."""
+    event = stored.event
+    kind, engine = event.kind, event.engine_id
+    try:
+        if kind == ev.START:
+            record.start(event.reason)
+        elif kind == ev.ATTACH:
+            record.attach(engine)
+        elif kind == ev.DETACH:
+            record.detach(str(engine), event.reason or "")
+        elif kind == ev.BEGIN:
+            record.begin(engine, event.base_version, list(event.layers or ()))
+        elif kind == ev.COMMIT:
+            digest, layers = _recorded_version(stored, versions)
+            record.commit_recorded(engine, layers, digest)
+        elif kind == ev.REPAIR:
+            digest, layers = _recorded_version(stored, versions)
+            record.repair_recorded(engine, layers, digest)
+        elif kind == ev.CONTENT_DIRTY:
+            _replay_content_dirty(record, stored)
+        elif kind == ev.ABORT:
+            record.abort(engine)
+        elif kind == ev.NON_FOLLOWING_FETCH:
+            record.fetch(_fetch_field(event))
+        elif kind == ev.END:
+            _replay_end(record, event)
+        elif kind == ev.DIRTY:
+            raise ReplayMismatch(
+                f"{stored.where} does not follow a detach of that engine during its pending move"
+            )
+        else:
+            verb = kind.removesuffix(ev.REFUSED_SUFFIX) if kind != ev.BEGIN_BUSY else "begin"
+            record.record_refusal(verb, engine, event.reason or "", busy=kind == ev.BEGIN_BUSY)
+    except (errors.RequestRefused, errors.MoveBusy) as exc:
+        raise ReplayMismatch(_refused(stored, exc, record)) from exc
+
+
+def _replay_content_dirty(record: LayoutRecord, stored: StoredEvent) -> None:
+    event = stored.event
+    if record.dirty is not None:
+        raise ReplayMismatch(f"{stored.where} marks a daemon that was already dirty")
+    if event.base_version != record.version:
+        raise ReplayMismatch(
+            f"{stored.where} names version {event.base_version} but the version was "
+            f"{record.version}"
+        )
+    record.mark_content_dirty(list(event.layers or ()), event.reason or "")
+
+
+def _recorded_version(
+    stored: StoredEvent, versions: Mapping[int, tuple[str, list[int]]]
+) -> tuple[str, list[int]]:
+    version = stored.event.new_version
+    recorded = versions.get(version) if isinstance(version, int) else None
+    if recorded is None:
+        raise ReplayMismatch(f"{stored.where}: the ledger has no version {version}")
+    return recorded
+
+
+def _fetch_field(event: ev.Event) -> dict[str, Any] | None:
+    """The ``expert_layout`` field a served non-following fetch carried (None: no field)."""
+    if event.reason == rules.FETCH_WITHOUT_FIELD:
+        return None
+    return {
+        "engine_id": event.engine_id,
+        "version": event.new_version,
+        "digest": event.digest_after,
+    }
+
+
+def _replay_end(record: LayoutRecord, event: ev.Event) -> None:
+    reason = (event.reason or "").partition(": ")[2]
+    if reason.startswith(END_FOUND_UNENDED):
+        record.end_found_unended()
+    else:
+        record.shut_down()
+
+
+def replayed(conn: Connection, inc: Incarnation) -> LayoutRecord:
+    """``inc``'s record after its whole history, replayed through the daemon's own rules.
+
+    Pending move, dirty mark, attachments and the non-following flag are derived this way and
+    nowhere else (``replay_incarnation``). A history whose transitions the rules would not
+    have made is a damaged ledger; edited texts, times or digests are ``verify``'s to report.
+    """
+    try:
+        return replay_incarnation(conn, inc, exact=False)
+    except ReplayMismatch as exc:
+        raise errors.LedgerStorageError(
+            f"the history of incarnation {inc.incarnation_id} is not one the daemon's rules "
+            f"write ({exc}); the ledger is damaged, run `layout-ledger verify`"
+        ) from exc
+
+
+def read_state(conn: Connection, incarnation_id: int | None = None) -> LayoutState:
+    """The whole state of an incarnation (the latest when None), from the rows alone."""
+    inc = incarnation(conn, incarnation_id)
+    current_version(conn, inc.incarnation_id)  # a missing version 0 is named first
+    record = replayed(conn, inc)
+    return record.state_with(map_at(conn, inc, record.version))
+
+
+# --- what the rows hold ---------------------------------------------------------------------
+
+_EVENT_COLUMNS = (
+    "event_id, at, kind, engine_id, layers, base_version, new_version, digest_after, reason"
+)
+
+
+def _stored_events(conn: Connection, incarnation_id: int) -> list[StoredEvent]:
+    rows = conn.exec_driver_sql(
+        f"SELECT {_EVENT_COLUMNS} FROM events WHERE incarnation_id = ? ORDER BY event_id",
+        (incarnation_id,),
+    )
+    return [_stored_event(*row) for row in rows]
+
+
+def _stored_event(
+    event_id: int, at: str, kind: str, engine_id: str | None, layers: Any, *fields: Any
+) -> StoredEvent:
+    """One ``events`` row (in ``_EVENT_COLUMNS`` order) as the event the record appends."""
+    base_version, new_version, digest_after, reason = fields
+    parsed = None if layers is None else _int_tuple(layers, event_id, "layers")
+    return StoredEvent(
+        int(event_id),
+        ev.Event(at, kind, engine_id, parsed, base_version, new_version, digest_after, reason),
+    )
+
+
+def _int_tuple(text_value: Any, event_id: int, column: str) -> tuple[int, ...]:
+    try:
+        value = json.loads(text_value)
+        if isinstance(value, list) and all(type(item) is int for item in value):
+            return tuple(value)
+    except (TypeError, ValueError):
+        pass
+    raise ReplayMismatch(f"events row {event_id}, column {column}: not a JSON list of ints")
+
+
+def _versions(conn: Connection, incarnation_id: int) -> dict[int, tuple[str, list[int]]]:
+    rows = conn.execute(
+        text("SELECT version, digest, layers FROM versions WHERE incarnation_id = :i"),
+        {"i": incarnation_id},
+    )
+    versions: dict[int, tuple[str, list[int]]] = {}
+    for version, digest, layers in rows:
+        try:
+            versions[int(version)] = (str(digest), [int(layer) for layer in json.loads(layers)])
+        except (TypeError, ValueError) as exc:
+            raise ReplayMismatch(
+                f"versions row ({incarnation_id}, {version}), column layers: not a JSON list of "
+                f"ints"
+            ) from exc
+    return versions
+
+
+def _initial_map(conn: Connection, inc: Incarnation) -> Map:
+    raw = conn.execute(
+        text("SELECT initial_map FROM incarnations WHERE incarnation_id = :i"),
+        {"i": inc.incarnation_id},
+    ).scalar()
+    try:
+        value: Map = json.loads(str(raw))
+    except (TypeError, ValueError) as exc:
+        raise ReplayMismatch(
+            f"incarnations row {inc.incarnation_id}, column initial_map: not JSON"
+        ) from exc
+    return value
+
+
+# --- naming the first difference ------------------------------------------------------------
+
+
+def _same_event(stored: ev.Event, appended: ev.Event) -> bool:
+    return stored == appended
+
+
+def _same_transition(stored: ev.Event, appended: ev.Event) -> bool:
+    return (stored.kind, *_move_of(stored)) == (appended.kind, *_move_of(appended))
+
+
+def _is_refusal(kind: str) -> bool:
+    return kind.endswith(ev.REFUSED_SUFFIX) or kind == ev.BEGIN_BUSY
+
+
+def _missing(event: ev.Event) -> str:
+    if event.kind == ev.DIRTY:
+        return (
+            f"engine {event.engine_id!r} detached during its pending move but no dirty mark follows"
+        )
+    return f"the history ends where the rules write a {event.kind} event"
+
+
+def _differs(stored: StoredEvent, expected: ev.Event, record: LayoutRecord | None) -> str:
+    got = stored.event
+    if expected.kind == ev.DIRTY and got.kind != ev.DIRTY:
+        return (
+            f"{stored.where} follows engine {expected.engine_id!r}'s detach during its pending "
+            f"move, where a dirty mark must be"
+        )
+    if got.kind == ev.START and got.new_version != 0:
+        return f"{stored.where} starts at version {got.new_version}, not 0"
+    if got.kind in (ev.COMMIT, ev.ABORT) and _move_of(got) != _move_of(expected):
+        return _not_the_pending_move(stored, expected)
+    fields = [
+        f"{name} {getattr(got, name)!r} where the rules give {getattr(expected, name)!r}"
+        for name in _EVENT_FIELDS
+        if getattr(got, name) != getattr(expected, name)
+    ]
+    return f"{stored.where} differs from what the rules write: " + "; ".join(fields)
+
+
+_EVENT_FIELDS = (
+    "kind",
+    "engine_id",
+    "layers",
+    "base_version",
+    "new_version",
+    "digest_after",
+    "reason",
+    "at",
+)
+
+
+def _move_of(event: ev.Event) -> tuple[Any, ...]:
+    return (event.engine_id, event.layers, event.base_version)
+
+
+def _not_the_pending_move(stored: StoredEvent, pending: ev.Event) -> str:
+    got = stored.event
+    return (
+        f"{stored.where} of layers {list(got.layers or ())} from version {got.base_version} "
+        f"does not match the pending begin by {pending.engine_id!r} of layers "
+        f"{list(pending.layers or ())} from version {pending.base_version}"
+    )
+
+
+def _refused(stored: StoredEvent, exc: Exception, record: LayoutRecord) -> str:
+    """Why the rules refuse the transition that wrote ``stored`` (verify's wording)."""
+    where, event = stored.where, stored.event
+    if isinstance(exc, errors.EngineNotAttached):
+        return f"{where}: the engine was not attached"
+    if isinstance(exc, errors.NoPendingMove) or (
+        event.kind == ev.COMMIT and isinstance(exc, errors.InvalidRequest)
+    ):
+        pending = record.pending
+        if pending is None:
+            return f"{where} has no begin before it"
+        recorded = ev.Event(
+            at="",
+            kind=ev.BEGIN,
+            engine_id=pending.engine_id,
+            layers=pending.layers,
+            base_version=pending.base_version,
+        )
+        return _not_the_pending_move(stored, recorded)
+    if isinstance(exc, errors.EngineAlreadyAttached):
+        return f"{where}: the engine was already attached"
+    if event.kind == ev.NON_FOLLOWING_FETCH:
+        return f"{where} was served while the layout was dirty or in flux"
+    if event.kind != ev.BEGIN:
+        return f"{where} was accepted although the rules refuse it: {exc}"
+    return _refused_begin(where, event, exc, record)
+
+
+def _refused_begin(where: str, event: ev.Event, exc: Exception, record: LayoutRecord) -> str:
+    if isinstance(exc, errors.LayoutDirty):
+        return f"{where} was accepted although the layout was dirty"
+    if isinstance(exc, errors.MovesDisabled):
+        return f"{where} was accepted after a non-following fetch"
+    if isinstance(exc, errors.StaleBaseVersion):
+        return (
+            f"{where} names base version {event.base_version} but the version was {record.version}"
+        )
+    if isinstance(exc, errors.MoveAlreadyPending | errors.MoveBusy):
+        if record.pending is not None:
+            owner = record.pending.engine_id
+            return f"{where} was accepted while engine {owner!r}'s move was pending"
+        others = sorted(set(record.attached) - {event.engine_id})
+        return f"{where} was accepted while {others} were attached too"
+    return f"{where} was accepted although the rules refuse it: {exc}"

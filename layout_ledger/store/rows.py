@@ -1,0 +1,220 @@
+"""The ledger's rows as the code reads them: incarnations, versions, maps and fingerprints.
+
+Every reader of a ledger goes through these queries: the daemon (its next start, its retention)
+and the tools alike. The map at any held version is one indexed statement: O(layers), whatever
+the history's length. Every value is a bound parameter (``in_list`` writes the placeholders).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+from layout_ledger.core import events as ev
+from layout_ledger.core.content import LocalFingerprints, is_fingerprint
+from layout_ledger.core.errors import DamagedRow, LedgerError, LedgerStorageError
+from layout_ledger.core.layout import Geometry, Map
+from layout_ledger.store.origin import COLUMNS as ORIGIN_COLUMNS
+from layout_ledger.store.origin import IncarnationOrigin
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    incarnation_id: int
+    started_at: str
+    ended_at: str | None
+    end_state: str | None
+    geometry: Geometry
+    initial_digest: str
+    config_fingerprint: str
+    daemon_label: str
+    origin: IncarnationOrigin = field(default_factory=IncarnationOrigin)
+
+
+def _incarnation_from_row(row: Any) -> Incarnation:
+    return Incarnation(
+        incarnation_id=row.incarnation_id,
+        started_at=row.started_at,
+        ended_at=row.ended_at,
+        end_state=row.end_state,
+        geometry=_geometry_of(row),
+        initial_digest=row.initial_digest,
+        config_fingerprint=row.config_fingerprint,
+        daemon_label=row.daemon_label,
+        origin=IncarnationOrigin.from_row(row._mapping),
+    )
+
+
+def _geometry_of(row: Any) -> Geometry:
+    """The incarnation row's geometry; a value no daemon writes is a ``DamagedRow``."""
+    column = "num_layers, num_physical_slots, num_logical_experts"
+    for name in ("num_layers", "num_physical_slots", "num_logical_experts"):
+        value = getattr(row, name)
+        if type(value) is not int or value < 1:
+            column = name
+            break
+    try:
+        return Geometry(row.num_layers, row.num_physical_slots, row.num_logical_experts)
+    except LedgerError as exc:
+        raise DamagedRow("incarnations", int(row.incarnation_id), column, str(exc)) from exc
+
+
+def incarnation_rows(conn: Connection) -> list[Incarnation | DamagedRow]:
+    """Every incarnation, or for a row that cannot be interpreted, why (oldest first)."""
+    rows = conn.execute(
+        text(f"SELECT {_INCARNATION_COLUMNS} FROM incarnations ORDER BY incarnation_id")
+    )
+    parsed: list[Incarnation | DamagedRow] = []
+    for row in rows:
+        try:
+            parsed.append(_incarnation_from_row(row))
+        except DamagedRow as exc:
+            parsed.append(exc)
+    return parsed
+
+
+_INCARNATION_COLUMNS = (
+    "incarnation_id, started_at, ended_at, end_state, num_layers, num_physical_slots, "
+    "num_logical_experts, initial_digest, config_fingerprint, daemon_label, "
+    + ", ".join(ORIGIN_COLUMNS)
+)
+
+
+def incarnations(conn: Connection) -> list[Incarnation]:
+    rows = conn.execute(
+        text(f"SELECT {_INCARNATION_COLUMNS} FROM incarnations ORDER BY incarnation_id")
+    )
+    return [_incarnation_from_row(row) for row in rows]
+
+
+def incarnation(conn: Connection, incarnation_id: int | None = None) -> Incarnation:
+    """One incarnation; the latest when ``incarnation_id`` is None."""
+    if incarnation_id is None:
+        row = conn.execute(
+            text(
+                f"SELECT {_INCARNATION_COLUMNS} FROM incarnations "
+                f"ORDER BY incarnation_id DESC LIMIT 1"
+            )
+        ).first()
+        if row is None:
+            raise LedgerError("the ledger holds no incarnation yet (no daemon has started on it)")
+    else:
+        row = conn.execute(
+            text(f"SELECT {_INCARNATION_COLUMNS} FROM incarnations WHERE incarnation_id = :i"),
+            {"i": incarnation_id},
+        ).first()
+        if row is None:
+            raise LedgerError(f"the ledger has no incarnation {incarnation_id}")
+    return _incarnation_from_row(row)
+
+
+def current_version(conn: Connection, incarnation_id: int) -> tuple[int, str]:
+    row = conn.execute(
+        text(
+            "SELECT version, digest FROM versions WHERE incarnation_id = :i "
+            "ORDER BY version DESC LIMIT 1"
+        ),
+        {"i": incarnation_id},
+    ).first()
+    if row is None:
+        raise LedgerStorageError(
+            f"incarnation {incarnation_id} has no version rows (not even version 0); the ledger "
+            f"is damaged, run `layout-ledger verify`"
+        )
+    return int(row.version), str(row.digest)
+
+
+def reconstructible_from(conn: Connection, incarnation_id: int) -> int:
+    """The oldest version whose whole map the rows still hold (raised by ``prune``)."""
+    value = conn.execute(
+        text("SELECT max(base_version) FROM events WHERE incarnation_id = :i AND kind = :k"),
+        {"i": incarnation_id, "k": ev.PRUNE},
+    ).scalar()
+    return int(value or 0)
+
+
+# One statement, one index seek per layer: for each layer 0..n-1, the newest row at or before
+# the version (the unique (incarnation_id, layer, version) index, searched backwards). Its cost
+# grows with the number of layers and the index's depth, never with the history's length.
+_ROWS_AT = text(
+    "WITH RECURSIVE layers(layer) AS ("
+    "  SELECT 0 UNION ALL SELECT layer + 1 FROM layers WHERE layer + 1 < :n"
+    ") "
+    "SELECT layer, ("
+    "  SELECT slots FROM layout_rows"
+    "  WHERE incarnation_id = :i AND layer = layers.layer AND version <= :v"
+    "  ORDER BY version DESC LIMIT 1"
+    ") AS slots FROM layers ORDER BY layer"
+)
+
+
+def row_jsons_at(conn: Connection, inc: Incarnation, version: int) -> list[str]:
+    """Each layer's row JSON at ``version``: one index seek per layer."""
+    rows = conn.execute(
+        _ROWS_AT, {"n": inc.geometry.num_layers, "i": inc.incarnation_id, "v": version}
+    ).all()
+    jsons = []
+    for layer, slots in rows:
+        if slots is None:
+            raise LedgerStorageError(
+                f"incarnation {inc.incarnation_id} has no row for layer {layer} at or before "
+                f"version {version}; run `layout-ledger verify`"
+            )
+        jsons.append(str(slots))
+    return jsons
+
+
+_FINGERPRINTS_AT = text(
+    "SELECT f.row_id, f.layer, f.first_slot, f.fingerprints FROM slot_fingerprints f "
+    "WHERE f.incarnation_id = :i AND f.version = ("
+    "  SELECT max(g.version) FROM slot_fingerprints g"
+    "  WHERE g.incarnation_id = f.incarnation_id AND g.layer = f.layer AND g.version <= :v"
+    ") ORDER BY f.layer"
+)
+
+
+def fingerprints_at(conn: Connection, inc: Incarnation, version: int) -> LocalFingerprints | None:
+    """The daemon's recorded slot fingerprints at ``version`` (per layer, the newest row at or
+    before it), or None when it recorded none."""
+    rows = conn.execute(_FINGERPRINTS_AT, {"i": inc.incarnation_id, "v": version}).all()
+    if not rows:
+        return None
+    layers: dict[int, tuple[str, ...]] = {}
+    first_slots = set()
+    for row_id, layer, first_slot, values in rows:
+        try:
+            parsed = json.loads(values)
+        except (TypeError, ValueError):
+            parsed = None
+        if not isinstance(parsed, list) or not all(is_fingerprint(v) for v in parsed):
+            raise DamagedRow(
+                "slot_fingerprints", int(row_id), "fingerprints", "not a JSON list of fingerprints"
+            )
+        layers[int(layer)] = tuple(parsed)
+        first_slots.add(int(first_slot))
+    return LocalFingerprints(min(first_slots), layers)
+
+
+def map_at(conn: Connection, inc: Incarnation, version: int | None = None) -> Map:
+    """The whole map at ``version`` (the current one when None)."""
+    current, _ = current_version(conn, inc.incarnation_id)
+    if version is None:
+        version = current
+    oldest = reconstructible_from(conn, inc.incarnation_id)
+    if not oldest <= version <= current:
+        raise LedgerError(
+            f"incarnation {inc.incarnation_id} holds versions {oldest}..{current}; "
+            f"version {version} is not among them"
+            + (" (older versions were pruned)" if version < oldest else "")
+        )
+    return [json.loads(slots) for slots in row_jsons_at(conn, inc, version)]
+
+
+def in_list(name: str, values: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+    """``(:name0, :name1, ...)`` for ``column IN ...`` over ``values``, and its parameters."""
+    marks = ", ".join(f":{name}{n}" for n in range(len(values)))
+    return f"({marks})", {f"{name}{n}": value for n, value in enumerate(values)}

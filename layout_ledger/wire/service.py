@@ -1,0 +1,211 @@
+"""The daemon side of the protocol (docs/protocol.md): request dicts in, reply dicts out.
+
+``LayoutService`` knows nothing about sockets or sglang; ``sglang_integration`` feeds it the
+requests that arrive on the daemon's control socket, keeps an attach connection open when
+``attach`` answers ``ok``, and calls ``detach`` when that connection reaches EOF.
+
+It is one table from request type to the record's transition (``TRANSITIONS``; a request that
+names an engine first has its id checked by the record, ``NAMES_ENGINE``) and one mapping
+from what a transition raises to a status. A daemon that records slot content has a
+``ContentSource`` (its own tensors, fingerprinted on their device): commits record the moved
+layers' fingerprints, the content check compares them with the record, and a repair is checked
+against them. The mapping: ``MoveBusy`` -> ``busy``, ``RequestRefused`` ->
+``refused`` (``layout_refused`` for a fetch), any other ``LedgerError`` (the ledger could not
+record the change, so it was not applied) -> ``error``. The record itself writes a refusal's one
+event. A daemon without a record answers attach and query with ``no_record`` and refuses begin,
+commit and abort.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from layout_ledger.core.content import LocalFingerprints
+from layout_ledger.core.errors import LedgerError, MoveBusy, RequestRefused
+from layout_ledger.core.record import LayoutRecord
+from layout_ledger.core.rules import NO_CONTENT_RECORD
+from layout_ledger.wire import protocol as msg
+
+logger = logging.getLogger(__name__)
+
+NO_RECORD_REASON = (
+    "this daemon keeps no expert layout record (it was started without --enable-eplb); engines "
+    "start with their own initial layout and must not move the shared experts"
+)
+
+Reply = dict[str, Any]
+Request = dict[str, Any]
+
+
+class ContentSource(Protocol):
+    """A daemon's own slots: their fingerprints now, on the tensors' device."""
+
+    def fingerprints(self, layers: Sequence[int] | None = None) -> LocalFingerprints:
+        """Every layer with routed-expert tensors when ``layers`` is None."""
+
+
+def _storage_failure(exc: LedgerError) -> str:
+    return (
+        f"the daemon could not record this request in its expert layout ledger, so it was not "
+        f"applied: {exc}; check the ledger's disk, then retry"
+    )
+
+
+# --- the expert_layout_* requests: one transition each ---------------------------------------
+
+
+def _attach(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    engine_id = request.get("engine_id")
+    with record.lock:  # the reply shows the state this attach left
+        record.attach(engine_id)
+        state = record.state()
+    logger.info("engine %r attached at layout version %d", engine_id, state.version)
+    return msg.layout_reply(msg.LayoutView.of(state))
+
+
+def _query(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    return msg.layout_reply(msg.LayoutView.of(record.state()))
+
+
+def _begin(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    record.begin(request.get("engine_id"), request.get("base_version"), request.get("layers"))
+    return msg.ok_reply()
+
+
+def _commit(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    engine_id = request.get("engine_id")
+    fingerprints_of = None if content is None else content.fingerprints
+    version, digest = record.commit(engine_id, request.get("rows"), fingerprints_of)
+    logger.info("engine %r committed layout version %d", engine_id, version)
+    if record.dirty is not None and record.dirty.content is not None:
+        logger.error("expert layout is now dirty: %s", record.dirty.reason)
+    return msg.Committed(version, digest).to_wire()
+
+
+def _abort(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    record.abort(request.get("engine_id"))
+    return msg.ok_reply()
+
+
+def _content_check(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    if content is None or record.content is None:
+        return msg.refusal_reply(msg.NO_RECORD, NO_CONTENT_RECORD)
+    was_dirty = record.dirty is not None
+    found = record.content_check(content.fingerprints)
+    if found.dirty and not was_dirty:
+        logger.error("expert layout is now dirty: %s", found.dirty_reason)
+    return msg.content_reply(msg.ContentView.of(found))
+
+
+def _repair(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    engine_id = request.get("engine_id")
+    fingerprints_of = None if content is None else content.fingerprints
+    version, digest = record.repair(
+        engine_id, request.get("rows"), request.get("fingerprints"), fingerprints_of
+    )
+    logger.warning(
+        "engine %r repaired the expert layout: the weights of the unfinished move's layers were "
+        "recorded as version %d (checked against this daemon's own fingerprints); clean again",
+        engine_id,
+        version,
+    )
+    return msg.Committed(version, digest).to_wire()
+
+
+# The requests that name an engine, with the verb of their refusal: the record refuses an
+# engine id a request may not name (``rules.check_request_engine_id``) before the transition.
+NAMES_ENGINE = {
+    msg.ATTACH: "attach",
+    msg.BEGIN: "begin",
+    msg.COMMIT: "commit",
+    msg.ABORT: "abort",
+    msg.REPAIR: "repair",
+}
+
+Transition = Callable[[LayoutRecord, Request, "ContentSource | None"], Reply]
+
+TRANSITIONS: dict[str, Transition] = {
+    msg.ATTACH: _attach,
+    msg.QUERY: _query,
+    msg.BEGIN: _begin,
+    msg.COMMIT: _commit,
+    msg.ABORT: _abort,
+    msg.CONTENT_CHECK: _content_check,
+    msg.REPAIR: _repair,
+}
+# Without a record, these answer no_record; the others (begin, commit, abort, repair) are
+# refused.
+_NO_RECORD_STATUS = {
+    msg.ATTACH: msg.NO_RECORD,
+    msg.QUERY: msg.NO_RECORD,
+    msg.CONTENT_CHECK: msg.NO_RECORD,
+}
+
+
+class LayoutService:
+    """Answers the expert layout requests for one daemon (``record`` is None without a record)."""
+
+    def __init__(self, record: LayoutRecord | None, content: ContentSource | None = None) -> None:
+        self.record = record
+        self.content = content
+
+    def handle(self, request: Request) -> Reply:
+        """Answer one request whose ``type`` is in ``protocol.LAYOUT_REQUEST_TYPES``."""
+        kind = request.get("type")
+        transition = TRANSITIONS.get(kind) if isinstance(kind, str) else None
+        if transition is None:
+            return msg.refusal_reply(msg.ERROR, f"not an expert layout request: {kind!r}")
+        if self.record is None:
+            return msg.refusal_reply(
+                _NO_RECORD_STATUS.get(str(kind), msg.REFUSED), NO_RECORD_REASON
+            )
+        try:
+            verb = NAMES_ENGINE.get(str(kind))
+            if verb is not None:
+                self.record.check_request_engine_id(verb, request.get("engine_id"))
+            return transition(self.record, request, self.content)
+        except MoveBusy as exc:
+            return msg.refusal_reply(msg.BUSY, str(exc))
+        except RequestRefused as exc:
+            return msg.refusal_reply(msg.REFUSED, str(exc))
+        except LedgerError as exc:
+            return msg.refusal_reply(msg.ERROR, _storage_failure(exc))
+
+    # --- fetch_state and presence --------------------------------------------------------
+
+    def check_fetch(self, request: Request) -> Reply | None:
+        """The ``fetch_state`` layout check: None to serve, else the ``layout_refused`` reply."""
+        record = self.record
+        if record is None:
+            return None
+        field = request.get(msg.FETCH_LAYOUT_FIELD)
+        try:
+            if isinstance(field, dict) and field.get("engine_id") is not None:
+                record.check_request_engine_id("fetch", field.get("engine_id"))
+            verdict = record.fetch(field)
+        except RequestRefused as exc:
+            logger.warning("refused a weight fetch: %s", exc)
+            return msg.refusal_reply(msg.LAYOUT_REFUSED, str(exc))
+        except LedgerError as exc:
+            # Serving would be unrecorded; refusing is the safe side.
+            return msg.refusal_reply(msg.LAYOUT_REFUSED, _storage_failure(exc))
+        if not verdict.following:
+            logger.warning(
+                "served weights to an engine that does not follow the expert layout (%s); no "
+                "engine may move experts until this daemon restarts",
+                verdict.reason,
+            )
+        return None
+
+    def detach(self, engine_id: str, reason: str = "attach connection closed (EOF)") -> None:
+        """An engine's attach connection closed, however the engine exited."""
+        record = self.record
+        if record is None:
+            return
+        mark = record.detach(engine_id, reason)
+        if mark is None:
+            logger.info("engine %r detached", engine_id)
+        else:
+            logger.error("expert layout is now dirty: %s", mark.reason)

@@ -1,0 +1,1 @@
+"""Slot content: fingerprints computed on the weights' device."""

@@ -1,0 +1,1 @@
+"""The daemon side of the plugin."""

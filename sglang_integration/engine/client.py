@@ -1,0 +1,216 @@
+"""The engine rank's socket side of the expert layout protocol (docs/protocol.md).
+
+Every request goes through ``sglang.srt.weight_cache.protocol.send_msg`` / ``recv_msg`` (one
+length-prefixed pickled dict each way), on the daemon's control socket. ``attach`` keeps its
+connection open for the engine's lifetime (the daemon detaches the engine on EOF, however the
+engine exits); every other request uses its own short connection. Every socket operation has a
+timeout, and only a socket node owned by this user is connected to.
+
+The shapes are ``layout_ledger.wire.protocol``'s: each call sends a request's ``to_wire`` and
+returns ``Reply.from_wire`` of the answer, one typed ``Outcome``, so callers never match strings.
+This module adds the two outcomes only the socket layer finds: ``NO_DAEMON`` (no socket file at the
+path; the IPC loader then falls back to disk) and ``UNREACHABLE`` (the socket exists but the
+daemon could not be read: connection refused, timeout, reset, not a socket owned by this user).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+from collections.abc import Mapping, Sequence
+
+from layout_ledger.wire.protocol import (
+    AbortRequest,
+    AttachRequest,
+    BeginRequest,
+    CommitRequest,
+    ContentCheckRequest,
+    LayoutRequest,
+    Outcome,
+    QueryRequest,
+    RepairRequest,
+    Reply,
+)
+
+logger = logging.getLogger(__name__)
+
+# ``Outcome`` and ``Reply`` are protocol's, named here too because every call returns them.
+__all__ = [
+    "DEFAULT_REQUEST_TIMEOUT",
+    "Attachment",
+    "Outcome",
+    "Reply",
+    "abort",
+    "attach",
+    "begin",
+    "commit",
+    "content_check",
+    "query",
+    "repair",
+]
+
+# Seconds for each connect, send and receive. The daemon serves each connection on its own
+# thread and bounds each request and reply itself (5 s by default), so a healthy daemon answers
+# well within this.
+DEFAULT_REQUEST_TIMEOUT = 30.0
+
+
+class Attachment:
+    """An attach request's reply and, when it was ``ok``, the connection kept open.
+
+    The connection is the engine's presence on the daemon: keep this object referenced for the
+    engine's lifetime (dropping it closes the socket and detaches the engine).
+    """
+
+    def __init__(self, socket_path: str, engine_id: str, reply: Reply, conn: socket.socket | None):
+        self.socket_path = socket_path
+        self.engine_id = engine_id
+        self.reply = reply
+        self._conn = conn
+
+    @property
+    def is_open(self) -> bool:
+        return self._conn is not None
+
+    def close(self) -> None:
+        """Detach now (the daemon sees EOF)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Attachment(socket_path={self.socket_path!r}, engine_id={self.engine_id!r}, "
+            f"outcome={self.reply.outcome.value}, open={self.is_open})"
+        )
+
+
+def attach(
+    socket_path: str, engine_id: str, timeout: float = DEFAULT_REQUEST_TIMEOUT
+) -> Attachment:
+    """``expert_layout_attach``; on ``ok`` the returned ``Attachment`` holds the open connection."""
+    conn, reply = _exchange(socket_path, AttachRequest(engine_id), timeout, keep_open=True)
+    if conn is not None and not reply.ok:
+        conn.close()
+        conn = None
+    if conn is not None:
+        # Nothing is read or written on the attach connection again; only its EOF matters.
+        conn.settimeout(None)
+    return Attachment(socket_path, engine_id, reply, conn)
+
+
+def query(socket_path: str, timeout: float = DEFAULT_REQUEST_TIMEOUT) -> Reply:
+    """``expert_layout_query``: the daemon's layout state, or ``no_record``."""
+    return _request(socket_path, QueryRequest(), timeout)
+
+
+def begin(
+    socket_path: str,
+    engine_id: str,
+    base_version: int,
+    layers: Sequence[int],
+    timeout: float = DEFAULT_REQUEST_TIMEOUT,
+) -> Reply:
+    """``expert_layout_begin``: mark a move of ``layers`` from ``base_version`` pending."""
+    return _request(socket_path, BeginRequest(engine_id, base_version, layers), timeout)
+
+
+def commit(
+    socket_path: str,
+    engine_id: str,
+    rows: Mapping[int, Sequence[int]],
+    timeout: float = DEFAULT_REQUEST_TIMEOUT,
+) -> Reply:
+    """``expert_layout_commit``: store the rows; an ``ok`` body has a valid version and digest."""
+    return _request(socket_path, CommitRequest(engine_id, rows), timeout)
+
+
+def abort(socket_path: str, engine_id: str, timeout: float = DEFAULT_REQUEST_TIMEOUT) -> Reply:
+    """``expert_layout_abort``: drop this engine's pending move without a change."""
+    return _request(socket_path, AbortRequest(engine_id), timeout)
+
+
+def content_check(socket_path: str, timeout: float = DEFAULT_REQUEST_TIMEOUT) -> Reply:
+    """``expert_layout_content_check``: an ``ok`` reply has ``content`` (``ContentView``)."""
+    return _request(socket_path, ContentCheckRequest(), timeout)
+
+
+def repair(
+    socket_path: str,
+    engine_id: str,
+    rows: Mapping[int, Sequence[int]],
+    fingerprints: Mapping[int, Sequence[str]],
+    timeout: float = DEFAULT_REQUEST_TIMEOUT,
+) -> Reply:
+    """``expert_layout_repair``: an ``ok`` body has the new version and digest."""
+    return _request(socket_path, RepairRequest(engine_id, rows, fingerprints), timeout)
+
+
+# --- internals -----------------------------------------------------------------------------
+
+
+def _request(socket_path: str, request: LayoutRequest, timeout: float) -> Reply:
+    _, reply = _exchange(socket_path, request, timeout, keep_open=False)
+    return reply
+
+
+def _exchange(
+    socket_path: str, request: LayoutRequest, timeout: float, *, keep_open: bool
+) -> tuple[socket.socket | None, Reply]:
+    """Send one request and read one reply; return the connection too when ``keep_open``."""
+    # sglang's framing; imported here so importing this module stays cheap.
+    from sglang.srt.weight_cache.protocol import recv_msg, send_msg
+
+    wire = request.to_wire()
+    request_type: str = wire["type"]
+    absent = _check_socket_node(socket_path)
+    if absent is not None:
+        return None, absent
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(timeout)
+    try:
+        conn.connect(socket_path)
+        send_msg(conn, wire)
+        raw = recv_msg(conn)
+    except FileNotFoundError:
+        conn.close()
+        return None, Reply(Outcome.NO_DAEMON, f"no daemon socket at {socket_path}")
+    except (OSError, EOFError, ValueError) as exc:
+        # OSError covers refused, reset, broken pipe and socket.timeout; recv_msg raises
+        # ConnectionError (an OSError) on EOF and ValueError on an oversized frame.
+        conn.close()
+        return None, Reply(
+            Outcome.UNREACHABLE,
+            f"could not read the daemon at {socket_path} "
+            f"({request_type}): {type(exc).__name__}: {exc}",
+        )
+    except Exception as exc:  # unpickling a broken frame can raise anything
+        conn.close()
+        return None, Reply(
+            Outcome.ERROR,
+            f"the daemon at {socket_path} sent an unreadable reply to {request_type}: "
+            f"{type(exc).__name__}: {exc}",
+        )
+    reply = Reply.from_wire(raw, request_type=request_type, peer=socket_path)
+    if keep_open:
+        return conn, reply
+    conn.close()
+    return None, reply
+
+
+def _check_socket_node(socket_path: str) -> Reply | None:
+    """The IPC loader's rule: connect only to a socket node owned by this user."""
+    try:
+        st = os.lstat(socket_path)
+    except FileNotFoundError:
+        return Reply(Outcome.NO_DAEMON, f"no daemon socket at {socket_path}")
+    except OSError as exc:
+        return Reply(Outcome.UNREACHABLE, f"cannot stat the daemon socket {socket_path}: {exc}")
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+        return Reply(
+            Outcome.UNREACHABLE,
+            f"refusing to connect: {socket_path} is not a socket owned by this user",
+        )
+    return None

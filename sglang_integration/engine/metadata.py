@@ -1,0 +1,133 @@
+"""Build the engine's ``ExpertLocationMetadata`` from a daemon's map, after two checks.
+
+The metadata comes from ``ExpertLocationMetadata.init_by_mapping``, the same call sglang makes
+for ``--init-expert-location`` with a ``physical_to_logical_map`` (expert_location.py:786), so an
+engine that adopts a daemon's map routes exactly as one started with that map in the flag.
+
+Before that:
+
+- the map must have the engine's shape (layers x physical slots); a different slot count means
+  the daemon and the engine run with different ``--ep-num-redundant-experts``;
+- the engine must dispatch through the metadata at all. sglang builds the dispatch info only
+  when ``ep_dispatch_algorithm`` is set (expert_location_dispatch.py:45-47), which it does for
+  ``--enable-eplb`` or a non-trivial ``--init-expert-location`` (parallel_hook.py:766-775);
+  without it the engine routes as if every expert were in its initial slot.
+
+The adopted metadata is copied into the engine's with ``ExpertLocationMetadata.update`` over
+every layer, the call sglang's own rebalance makes (expert_location_updater.py:73).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from layout_ledger.core.startup_verdict import ExpertLayoutStartupError
+
+if TYPE_CHECKING:
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class LayoutShapeMismatch(ExpertLayoutStartupError):
+    """The daemon's map has another shape than the engine's expert layout."""
+
+
+class LayoutNotFollowed(ExpertLayoutStartupError):
+    """The engine would ignore the metadata when it dispatches tokens to experts."""
+
+
+def check_map_shape(
+    physical_to_logical_map: Sequence[Sequence[int]], initial: ExpertLocationMetadata
+) -> None:
+    """Raise ``LayoutShapeMismatch`` unless the map is ``initial``'s layers x physical slots."""
+    from sglang.srt.runtime_context import get_exec
+
+    engine_shape = tuple(initial.physical_to_logical_map_cpu.shape)
+    rows = len(physical_to_logical_map)
+    widths = sorted({len(row) for row in physical_to_logical_map})
+    if rows == engine_shape[0] and widths == [engine_shape[1]]:
+        return
+    engine_redundant = get_exec().moe.ep_num_redundant_experts
+    num_logical = initial.num_logical_experts
+    daemon_slots = widths[0] if len(widths) == 1 else None
+    daemon_redundant = (
+        f"{daemon_slots - num_logical}" if daemon_slots is not None else "unknown (ragged map)"
+    )
+    raise LayoutShapeMismatch(
+        f"the weight cache daemon's expert map has {rows} layers x "
+        f"{'/'.join(str(w) for w in widths) or 0} physical slots, but this engine's layout is "
+        f"{engine_shape[0]} layers x {engine_shape[1]} slots ({num_logical} logical experts). "
+        f"The daemon runs with --ep-num-redundant-experts {daemon_redundant} and the engine "
+        f"with --ep-num-redundant-experts {engine_redundant}: start both with the same value "
+        f"(and the same model)."
+    )
+
+
+def check_dispatch_follows_metadata() -> None:
+    """Raise ``LayoutNotFollowed`` unless sglang dispatches tokens through the metadata."""
+    from sglang.srt.runtime_context import get_exec
+
+    moe = get_exec().moe
+    if moe.ep_dispatch_algorithm is not None:
+        return
+    raise LayoutNotFollowed(
+        "the weight cache daemon's experts have moved, but this engine runs without "
+        "--enable-eplb or --init-expert-location, so it would route as if every expert were "
+        "in its initial slot and read the wrong experts. Start the engine with --enable-eplb "
+        "(or --init-expert-location with the daemon's map)."
+    )
+
+
+def metadata_from_map(
+    model_config: ModelConfig, physical_to_logical_map: Sequence[Sequence[int]], moe_ep_rank: int
+) -> ExpertLocationMetadata:
+    """``ExpertLocationMetadata.init_by_mapping`` of the map, as ``--init-expert-location`` does."""
+    import torch
+    from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+
+    # --init-expert-location JSON arrives as nested lists, which init_by_mapping turns into a
+    # tensor with torch.tensor (default int64); give it the same tensor.
+    tensor = torch.tensor([list(row) for row in physical_to_logical_map])
+    metadata = ExpertLocationMetadata.init_by_mapping(
+        model_config, physical_to_logical_map=tensor, moe_ep_rank=moe_ep_rank
+    )
+    if metadata is None:
+        raise ExpertLayoutStartupError(
+            f"sglang built no expert-location metadata for {model_config.model_path}; the model "
+            "has no routed experts to lay out"
+        )
+    return metadata
+
+
+def map_of(metadata: ExpertLocationMetadata) -> list[list[int]]:
+    """The metadata's ``physical_to_logical_map`` as the protocol's nested lists of ints."""
+    # An integer tensor's tolist() is already Python ints (the protocol's values).
+    rows: list[list[int]] = metadata.physical_to_logical_map_cpu.tolist()
+    return rows
+
+
+def adopt_map(
+    model_config: ModelConfig,
+    physical_to_logical_map: Sequence[Sequence[int]],
+    moe_ep_rank: int,
+    current: ExpertLocationMetadata,
+) -> bool:
+    """Make ``current`` describe the daemon's map; return whether anything changed.
+
+    A map equal to ``current``'s is kept as is (no check can fail then: the engine already
+    routes with it). Otherwise both checks run, and the metadata built from the map is copied
+    into ``current`` in place with ``ExpertLocationMetadata.update`` over every layer (as
+    sglang's own rebalance does), so objects that already hold ``current`` (the expert
+    distribution recorder) see the adopted layout too.
+    """
+    check_map_shape(physical_to_logical_map, current)
+    if map_of(current) == [list(row) for row in physical_to_logical_map]:
+        return False
+    check_dispatch_follows_metadata()
+    adopted = metadata_from_map(model_config, physical_to_logical_map, moe_ep_rank)
+    current.update(adopted, update_layer_ids=list(range(current.num_layers)))
+    return True

@@ -1,0 +1,392 @@
+"""The hook on ``ModelRunner.maybe_init_expert_location_metadata``: start from the daemons' layout.
+
+Register (one line in the plugin)::
+
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_expert_location_metadata",
+        around_maybe_init_expert_location_metadata,
+        HookType.AROUND,
+    )
+
+sglang 0.5.23 calls the target in ``ModelRunner.initialize`` before ``load_model``
+(model_runner.py:708 and :715). The original computes the engine's initial metadata and the
+expert distribution recorder (model_runner.py:753-782); this hook runs it first, then, with the
+weight cache on (``--weight-cache-mode client|daemon``) and a model that has expert-location
+metadata, on every rank of the engine:
+
+1. rank 0 makes a fresh engine_id and broadcasts it over the world CPU group (one id per engine
+   start, shared by all ranks, unique: a uuid; the host and pid in it are only for people
+   reading the daemon's ledger);
+2. each rank attaches to its own daemon at the socket path the IPC loader will use, and keeps
+   the attach connection open for the engine's lifetime (module state holds it);
+3. if another engine's move is pending there, it polls ``expert_layout_query`` until the move
+   ends, for at most ``SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT`` seconds (default 300);
+4. with the content check on (``content_settings``), it asks its daemon for its slots' content
+   (``startup_content.read_content``);
+5. the ranks all-gather what they found over the world CPU group and all compute the same
+   ``layout_ledger.core.startup_verdict.decide``, then ``startup_content.settle``: daemons an
+   engine left mid-move are repaired when their slots hold whole experts of a valid layout (one more
+   all-gather, of the repair replies), and every expert's expected fingerprint is kept for the
+   check after the weights are loaded (``loaded_content``);
+6. adopt the daemons' map (``expert_metadata.adopt_map``, one log line naming the version), keep
+   the initial layout, or raise ``ExpertLayoutStartupError`` with the reason on every rank.
+
+Dense models (no metadata), draft workers and the weight cache off: the original, untouched.
+A daemon that answers the attach with "Unknown request type" (sglang without this plugin) keeps
+no record: the engine starts with its own layout, logs one warning, and its shared weights are
+never rebalanced (``current_session().finding`` says why, for the rebalance hook).
+
+Every sglang internal this hook touches is read in this module: ``runner.is_draft_worker``,
+``runner.model_config``, ``runner.gpu_id``, the expert rank formula of model_runner.py:756-760,
+``get_model().weight_cache_mode`` / ``weight_cache_socket``, the loader's socket path rule
+(ipc_loader.py:458-460), and ``get_parallel().world_group`` (``GroupCoordinator``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from layout_ledger.core.content import ExpertContents
+from layout_ledger.core.layout import layout_digest
+from layout_ledger.core.startup_verdict import (
+    AdoptLayout,
+    Decision,
+    ExpertLayoutStartupError,
+    FailStartup,
+    FindingKind,
+    KeepInitialLayout,
+    RankFinding,
+    decide,
+    finding_from_layout,
+)
+from layout_ledger.wire.protocol import LayoutView, Outcome
+from sglang_integration.engine import client
+from sglang_integration.engine.startup_repair import StartupRank, read_content, settle
+from sglang_integration.settings import content_check
+
+logger = logging.getLogger(__name__)
+
+HOOK_TARGET = (
+    "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_expert_location_metadata"
+)
+
+# Seconds a rank waits for another engine's pending move to end before the engine fails.
+WAIT_TIMEOUT_ENV = "SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT"
+DEFAULT_WAIT_TIMEOUT = 300.0
+# How often a waiting rank asks its daemon again.
+POLL_INTERVAL = 0.5
+
+
+@dataclass
+class EngineLayoutSession:
+    """This rank's standing with its daemon after startup; read by the loader and rebalance hooks.
+
+    ``attachment`` is open exactly when this rank's daemon keeps a record and the engine
+    started; ``version`` and ``digest`` describe the layout the engine routes with (version 0,
+    the engine's own digest, when it kept its initial layout).
+    """
+
+    engine_id: str
+    rank: int
+    socket_path: str
+    finding: FindingKind
+    attachment: client.Attachment | None
+    version: int
+    digest: str
+    # What every logical expert's slot must hold (None: no content check, see startup_content),
+    # and this rank's local physical slots, for the check after the weights are loaded.
+    expected_content: ExpertContents | None = None
+    first_slot: int = 0
+    num_local_slots: int = 0
+
+    @property
+    def attached(self) -> bool:
+        return self.attachment is not None and self.attachment.is_open
+
+
+class _ThisRank:
+    """The process-wide session (one engine rank per process); it holds the attach connection."""
+
+    session: EngineLayoutSession | None = None
+
+
+def current_session() -> EngineLayoutSession | None:
+    """This rank's session, or None (weight cache off, dense model, or startup not run)."""
+    return _ThisRank.session
+
+
+def close_session() -> None:
+    """Detach from the daemon now and forget the session (an engine detaches by exiting)."""
+    session, _ThisRank.session = _ThisRank.session, None
+    if session is not None and session.attachment is not None:
+        session.attachment.close()
+
+
+def around_maybe_init_expert_location_metadata(
+    original_fn: Callable[[Any], Any], runner: Any
+) -> None:
+    """AROUND hook body for ``ModelRunner.maybe_init_expert_location_metadata`` (HOOK_TARGET)."""
+    original_fn(runner)
+    if runner.is_draft_worker:
+        return
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+    from sglang.srt.runtime_context import get_model
+
+    if get_model().weight_cache_mode == "off":
+        return
+    metadata = get_global_expert_location_metadata()
+    if metadata is None:
+        return  # a model without routed experts: nothing to lay out
+    start_from_daemon_layout(
+        model_config=runner.model_config,
+        metadata=metadata,
+        moe_ep_rank=_expert_rank(),
+        socket_path=daemon_socket_path(runner.gpu_id),
+    )
+
+
+def start_from_daemon_layout(
+    *, model_config: Any, metadata: Any, moe_ep_rank: int, socket_path: str
+) -> EngineLayoutSession:
+    """Steps 1-6 of the module docstring for this rank; a collective over the world group."""
+    from sglang_integration.engine.metadata import map_of
+
+    world = _world_group()
+    rank = world.rank_in_group
+    engine_id = _shared_engine_id(world)
+    initial_map = map_of(metadata)
+    initial_digest = layout_digest(initial_map)
+    this = StartupRank(
+        rank=rank,
+        socket_path=socket_path,
+        engine_id=engine_id,
+        mode=content_check(),
+        initial_map=initial_map,
+        engine_shape=_engine_shape(metadata),
+    )
+    finding, attachment = read_daemon(
+        socket_path, engine_id, rank=rank, initial_digest=initial_digest
+    )
+    content = read_content(socket_path, finding, rank=rank, mode=this.mode)
+    gathered = world.all_gather_object((finding, content))
+    findings = [each for each, _ in gathered]
+    try:
+        decision, expected = settle(
+            world, decide(findings), findings, [each for _, each in gathered], this
+        )
+        version, digest = _apply(decision, model_config, metadata, moe_ep_rank, initial_digest)
+    except BaseException:
+        if attachment is not None:
+            attachment.close()
+        raise
+    local = int(metadata.num_local_physical_experts)
+    session = EngineLayoutSession(
+        engine_id=engine_id,
+        rank=rank,
+        socket_path=socket_path,
+        # a repaired daemon keeps a clean record again
+        finding=FindingKind.RECORD if finding.kind is FindingKind.DIRTY else finding.kind,
+        attachment=attachment if attachment is not None and attachment.is_open else None,
+        version=version,
+        digest=digest,
+        expected_content=expected,
+        first_slot=moe_ep_rank * local,
+        num_local_slots=local,
+    )
+    _ThisRank.session = session
+    return session
+
+
+def _apply(
+    decision: Decision, model_config: Any, metadata: Any, moe_ep_rank: int, initial_digest: str
+) -> tuple[int, str]:
+    """Act on the decision on this rank: raise, adopt the map or keep the initial one."""
+    from sglang_integration.engine.metadata import adopt_map
+
+    if isinstance(decision, FailStartup):
+        raise ExpertLayoutStartupError(decision.reason)
+    if isinstance(decision, AdoptLayout):
+        changed = adopt_map(model_config, decision.physical_to_logical_map, moe_ep_rank, metadata)
+        logger.info(
+            "Routing with the weight cache daemon's expert layout at version %d "
+            "(digest %s, %s the engine's initial layout)",
+            decision.version,
+            decision.digest[:12],
+            "replacing" if changed else "equal to",
+        )
+        return decision.version, decision.digest
+    _log_kept_initial(decision, _world_group().rank_in_group)
+    return 0, initial_digest
+
+
+def _engine_shape(metadata: Any) -> tuple[int, int, int]:
+    shape = tuple(metadata.physical_to_logical_map_cpu.shape)
+    return int(shape[0]), int(shape[1]), int(metadata.num_logical_experts)
+
+
+def read_daemon(
+    socket_path: str,
+    engine_id: str,
+    *,
+    rank: int,
+    initial_digest: str,
+    wait_timeout: float | None = None,
+    poll_interval: float = POLL_INTERVAL,
+) -> tuple[RankFinding, client.Attachment | None]:
+    """Attach and wait out another engine's move; never raises (a failure is a finding).
+
+    Returns the finding and the attachment (its connection still open when the daemon accepted
+    it). A RECORD finding's map hashes to its digest (checked here).
+    """
+    where = {"rank": rank, "socket_path": socket_path, "initial_digest": initial_digest}
+    attachment: client.Attachment | None = None
+    try:
+        timeout = configured_wait_timeout() if wait_timeout is None else wait_timeout
+        attachment = client.attach(socket_path, engine_id)
+        reply = attachment.reply
+        kind = _KIND_OF_ATTACH_OUTCOME.get(reply.outcome)
+        if kind is not None:
+            return RankFinding(kind=kind, reason=reply.reason, **where), attachment
+        if reply.outcome is not Outcome.OK or reply.layout is None:
+            reason = f"attach {reply.outcome.value}: {reply.reason}"
+            return RankFinding(kind=FindingKind.UNREADABLE, reason=reason, **where), attachment
+        layout = _wait_for_pending_move(socket_path, reply.layout, timeout, poll_interval)
+    except Exception as exc:  # every rank must reach the all-gather
+        logger.exception("Reading the expert layout of the daemon at %s failed", socket_path)
+        reason = f"{type(exc).__name__}: {exc}"
+        return RankFinding(kind=FindingKind.UNREADABLE, reason=reason, **where), attachment
+    if isinstance(layout, _WaitFailure):
+        return RankFinding(kind=layout.kind, reason=layout.reason, **where), attachment
+    still_pending = f" after {timeout:g} s ({WAIT_TIMEOUT_ENV})"
+    return finding_from_layout(layout, still_pending=still_pending, **where), attachment
+
+
+_KIND_OF_ATTACH_OUTCOME = {
+    Outcome.NO_DAEMON: FindingKind.NO_DAEMON,
+    Outcome.NO_RECORD: FindingKind.NO_RECORD,
+    Outcome.OLDER_DAEMON: FindingKind.OLDER_DAEMON,
+}
+
+
+@dataclass(frozen=True)
+class _WaitFailure:
+    kind: FindingKind
+    reason: str
+
+
+def _wait_for_pending_move(
+    socket_path: str, layout: LayoutView, timeout: float, poll_interval: float
+) -> LayoutView | _WaitFailure:
+    """The daemon's layout once no move is pending (or it is dirty, or the wait timed out:
+    then still pending), else a failure to read it."""
+    if layout.pending is None or layout.dirty:
+        return layout
+    pending = layout.pending
+    logger.info(
+        "Engine %r is moving layers %s of the daemon at %s (from version %d); waiting up to "
+        "%g s (%s) for the move to end",
+        pending.engine_id,
+        list(pending.layers),
+        socket_path,
+        pending.base_version,
+        timeout,
+        WAIT_TIMEOUT_ENV,
+    )
+    deadline = time.monotonic() + timeout
+    while layout.pending is not None and not layout.dirty:
+        pending = layout.pending
+        if time.monotonic() >= deadline:
+            return layout
+        time.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
+        reply = client.query(socket_path)
+        if reply.outcome is not Outcome.OK or reply.layout is None:
+            return _WaitFailure(
+                FindingKind.UNREADABLE,
+                f"while waiting for engine {pending.engine_id!r}'s move: query "
+                f"{reply.outcome.value}: {reply.reason}",
+            )
+        layout = reply.layout
+    logger.info(
+        "The pending move on the daemon at %s ended (version %d)", socket_path, layout.version
+    )
+    return layout
+
+
+def configured_wait_timeout() -> float:
+    """``SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT`` in seconds (default 300); raise on a bad value."""
+    raw = os.environ.get(WAIT_TIMEOUT_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_WAIT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{WAIT_TIMEOUT_ENV}={raw!r} is not a finite number of seconds >= 0")
+    return value
+
+
+def daemon_socket_path(gpu_id: int) -> str:
+    """The socket the IPC loader connects to (ipc_loader.py:458-460, loader.py:4289-4291)."""
+    from sglang.srt.runtime_context import get_model
+
+    configured = get_model().weight_cache_socket
+    if configured is not None:
+        return configured
+    from sglang.srt.platforms import current_platform
+    from sglang.srt.weight_cache.protocol import get_socket_path
+
+    return get_socket_path(current_platform.get_device_uuid(int(gpu_id)))
+
+
+def _expert_rank() -> int:
+    """The ``moe_ep_rank`` the original passes to the metadata (model_runner.py:756-760)."""
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    parallel = get_parallel()
+    offset = parallel.ep_join_rank_offset if get_exec().moe.is_ep_scale_joiner else 0
+    return parallel.moe_ep_rank + offset
+
+
+def _world_group() -> Any:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().world_group
+
+
+def _shared_engine_id(world: Any) -> str:
+    """A new id made on the world group's first rank and broadcast to the others."""
+    import torch.distributed as dist
+
+    holder: list[str | None] = [None]
+    if world.rank_in_group == 0:
+        holder[0] = f"engine-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+    if world.world_size > 1:
+        dist.broadcast_object_list(holder, src=world.ranks[0], group=world.cpu_group)
+    engine_id = holder[0]
+    if not isinstance(engine_id, str) or not engine_id:
+        raise ExpertLayoutStartupError(f"rank 0 broadcast no engine id ({engine_id!r})")
+    return engine_id
+
+
+def _log_kept_initial(decision: KeepInitialLayout, rank: int) -> None:
+    if rank != 0:
+        return
+    kinds = {f.kind for f in decision.without_record}
+    listed = "; ".join(f.describe() for f in decision.without_record)
+    if kinds & {FindingKind.OLDER_DAEMON, FindingKind.NO_RECORD}:
+        logger.warning(
+            "Starting with this engine's own initial expert layout: some weight cache daemons "
+            "keep no expert layout record (%s). Experts in weights shared through these "
+            "daemons will not be rebalanced.",
+            listed,
+        )
+    else:
+        logger.info("Starting with this engine's own initial expert layout (%s)", listed)

@@ -1,0 +1,784 @@
+"""CPU engine ranks for tests and the demo: sglang's real EPLB code on shared-memory experts.
+
+One engine of ``world_size`` ranks is ``world_size`` fresh processes forked from a forkserver
+that imported sglang once (``engine_process_context``). Each rank (``run_engine_rank``):
+
+1. publishes real ``ServerArgs`` for a tiny Qwen3-MoE ``config.json`` without weights
+   (``--weight-cache-mode client``, ``--enable-eplb``, its daemon's socket as
+   ``--weight-cache-socket``) and joins sglang's world group on torch.distributed gloo;
+2. with the plugin, calls the plugin's real entry point ``sglang_integration.plugin.register()``
+   and sglang's ``HookRegistry.apply_hooks()``, as ``load_plugins()`` does in an engine process;
+   without it (the plugin disabled), applies no hook at all;
+3. runs sglang's real ``ModelRunner.maybe_init_expert_location_metadata`` (hooked by the plugin:
+   attach to its daemon, agree over the world group, repair dirty daemons, adopt the daemon's
+   layout or fail) on a namespace holding the attributes the method and the hooks read, because
+   building a real ``ModelRunner`` allocates accelerator memory;
+4. records that its weights came from the daemon: the IPC loader's ``fetch_state`` maps CUDA IPC
+   handles, which a CPU cannot, so the experts are instead the daemon's shared-memory files
+   (``shared_experts``), mapped read-write, where an in-place move by one engine is seen by all;
+   the plugin's ``ModelRunner.load_model`` hook runs around that mapping (each slot must hold
+   the expert the map names);
+5. builds sglang's real ``EPLBManager`` with sglang's real ``ExpertLocationUpdater`` (behind
+   ``StoppableUpdater``) and ``SyntheticLoadRecorder`` standing in for the expert distribution
+   recorder (nothing routes tokens here);
+6. obeys the parent's commands on a pipe (``CpuEngine`` is the parent's handle): rebalance,
+   wait until alone on its daemon, stop at a chosen point of a rebalance so that the parent can
+   SIGKILL it there, exit.
+
+Two GPU stand-ins, and only these: the namespace runner of step 3 (with the expert distribution
+recorder's counters on the CPU, ``_counters_on_the_cpu``) and the shared-memory experts of
+step 4. Each rank's output goes to a log file; its plugin log lines also come back in reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from sglang_integration.testing.sglang_env import QUIET_SGLANG_ENV
+
+logger = logging.getLogger(__name__)
+
+# Seconds a blocked rank sleeps per turn while it waits to be killed.
+_BLOCK_SLEEP = 3600.0
+
+
+def engine_process_context() -> ForkServerContext:
+    """The forkserver context, its server running (``daemon_control.process_context``)."""
+    from sglang_integration.testing.daemon_control import process_context
+
+    return process_context()
+
+
+def one_result_per_rank(
+    world_size: int, target: Callable[..., None], args_of: Callable[[int], tuple[Any, ...]]
+) -> list[Any]:
+    """Run ``target(*args_of(rank), pipe)`` in one forkserver process per rank; each sends one
+    result on its pipe. Returns them by rank once every process has exited (0, or raises)."""
+    context = engine_process_context()
+    pipes, processes = [], []
+    for rank in range(world_size):
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=target, args=(*args_of(rank), send))
+        process.start()
+        pipes.append(receive)
+        processes.append(process)
+    results = [pipe.recv() for pipe in pipes]
+    for rank, process in enumerate(processes):
+        process.join(60)
+        if process.exitcode != 0:
+            raise RuntimeError(f"rank {rank} exited with {process.exitcode}")
+    return results
+
+
+def release_forkserver() -> None:
+    """In a forkserver child: close its copy of the forkserver's keep-alive pipe.
+
+    multiprocessing hands every forkserver child the write end of that pipe (so the child could
+    start processes through the same server), and the server exits only once every copy is
+    closed. A child that keeps it, a daemon serving forever say, therefore keeps the server
+    alive after the process that started them all was SIGKILLed, and with it every child whose
+    parent-death signal waits for the server. Closed here, the server exits with that process
+    and ``kill_itself_when_parent_died`` takes the children down. Private to multiprocessing
+    (``forkserver._forkserver._forkserver_alive_fd``, CPython 3.10-3.12); a missing attribute is
+    ignored. The child can no longer start processes itself.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(alive_fd, int):
+        with contextlib.suppress(OSError):
+            os.close(alive_fd)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now (for a gloo rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_tiny_moe_config(directory: Path, num_layers: int, num_experts: int) -> Path:
+    """A Qwen3-MoE ``config.json`` (no weights): enough for ServerArgs, ModelConfig and EPLB."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "moe_intermediate_size": 8,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "num_experts": num_experts,
+        "num_experts_per_tok": 2,
+        "vocab_size": 64,
+        "max_position_embeddings": 128,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def start_cpu_engine_rank(
+    rank: int,
+    *,
+    world_size: int,
+    port: int,
+    model_dir: str,
+    num_redundant: int,
+    **server_args: Any,
+) -> Any:
+    """In a fresh process: publish real ServerArgs for this rank, build sglang's world group on
+    gloo, and install the initial (trivial) expert location metadata. Returns the ModelConfig."""
+    os.environ.update(QUIET_SGLANG_ENV)
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.eplb.expert_location import (
+        ExpertLocationMetadata,
+        set_global_expert_location_metadata,
+    )
+
+    args = _publish_and_join(
+        rank,
+        world_size=world_size,
+        port=port,
+        model_dir=model_dir,
+        num_redundant=num_redundant,
+        **server_args,
+    )
+    model_config = ModelConfig.from_server_args(args)
+    metadata = ExpertLocationMetadata.init_trivial(model_config, moe_ep_rank=rank)
+    set_global_expert_location_metadata(metadata)
+    return model_config
+
+
+def _publish_and_join(
+    rank: int, *, world_size: int, port: int, model_dir: str, num_redundant: int, **extra: Any
+) -> Any:
+    """Real ``ServerArgs`` published for this rank, then sglang's world group on gloo."""
+    from sglang.srt.distributed.parallel_state import init_distributed_environment
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=model_dir,
+        device="cpu",
+        tp_size=world_size,
+        ep_size=world_size,
+        enable_eplb=True,
+        ep_num_redundant_experts=num_redundant,
+        skip_tokenizer_init=True,
+        **extra,
+    )
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
+    init_distributed_environment(
+        backend="gloo",
+        world_size=world_size,
+        rank=rank,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        local_rank=rank,
+    )
+    return args
+
+
+class NoDiskReload:
+    """The engine's weight updater; only called for experts lost to elastic EP (not here)."""
+
+    def update_weights_from_disk(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no expert may be missing after a move between live ranks")
+
+
+def run_rebalances(manager: Any, count: int) -> None:
+    """Drive ``count`` rebalances the way ``EPLBManager._entrypoint`` does (yield from)."""
+    for _ in range(count):
+        for _ in manager.rebalance():
+            pass
+
+
+def routed_map() -> list[list[int]]:
+    """The map this rank routes with (sglang's global expert location metadata)."""
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    metadata = get_global_expert_location_metadata()
+    if metadata is None:
+        raise RuntimeError("no expert location metadata is installed")
+    routed: list[list[int]] = metadata.physical_to_logical_map_cpu.tolist()
+    return routed
+
+
+# ---------------------------------------------------------------- the rank process ----------
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every rank of one engine needs; ``sockets[r]`` is rank r's daemon."""
+
+    name: str
+    model_dir: str
+    expert_dir: str
+    sockets: tuple[str, ...]
+    port: int
+    num_redundant: int
+    layers_per_chunk: int
+    plugin: bool = True
+    load_seed: int = 11
+    log_dir: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # set in each rank's environment before it starts
+
+    @property
+    def world_size(self) -> int:
+        return len(self.sockets)
+
+    def log_path(self, rank: int) -> str | None:
+        if self.log_dir is None:
+            return None
+        return str(Path(self.log_dir) / f"engine-{self.name}.rank{rank}.log")
+
+
+class StoppableUpdater:
+    """sglang's ``ExpertLocationUpdater``, able to stop partway through one chosen move.
+
+    ``update`` delegates unchanged until ``stop_after_first_layer`` is set; the next ``update``
+    then moves only the first layer of its chunk (sglang's own updater, called for that one
+    layer on every rank, so the collectives match), calls the callback and never returns: the
+    process waits there to be killed with the chunk's other layers not moved.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.stop_after_first_layer: Callable[[list[int]], None] | None = None
+
+    def update(
+        self,
+        routed_experts_weights_of_layer: Any,
+        new_expert_location_metadata: Any,
+        *,
+        update_layer_ids: list[int],
+        nnodes: int,
+        rank: int,
+        use_flat_topology: bool = False,
+    ) -> Any:
+        stop = self.stop_after_first_layer
+        if stop is None:
+            return self.inner.update(
+                routed_experts_weights_of_layer,
+                new_expert_location_metadata,
+                update_layer_ids=update_layer_ids,
+                nnodes=nnodes,
+                rank=rank,
+                use_flat_topology=use_flat_topology,
+            )
+        self.inner.update(
+            routed_experts_weights_of_layer,
+            new_expert_location_metadata,
+            update_layer_ids=list(update_layer_ids[:1]),
+            nnodes=nnodes,
+            rank=rank,
+            use_flat_topology=use_flat_topology,
+        )
+        stop(list(update_layer_ids))
+        block_until_killed()
+
+
+def block_until_killed() -> None:
+    """Wait forever (the parent SIGKILLs this process)."""
+    while True:
+        time.sleep(_BLOCK_SLEEP)
+
+
+class LogCapture(logging.Handler):
+    """The plugin's log lines of this rank, handed back with the next report."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelname, record.getMessage()))
+
+    def take(self) -> list[tuple[str, str]]:
+        lines, self.lines = self.lines, []
+        return lines
+
+
+def _counters_on_the_cpu() -> None:
+    """The GPU stand-in below the runner: with --enable-eplb, the original method builds sglang's
+    expert distribution recorder, whose gatherers allocate their counters on the accelerator
+    that ``sglang.srt.utils.get_device`` names (it raises on a machine without one). Here the CPU
+    is that accelerator. The recorder is then replaced by ``SyntheticLoadRecorder``."""
+    from sglang.srt.eplb import expert_distribution
+
+    expert_distribution.get_device = lambda device_id=None: "cpu"
+
+
+class _EngineRank:
+    """One engine rank: startup, then the commands of ``run_engine_rank``."""
+
+    def __init__(self, spec: EngineSpec, rank: int, capture: LogCapture) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.capture = capture
+        self.rebalances_run = 0
+        self.startup_seconds = 0.0
+        self.manager: Any = None
+        self.model: Any = None
+        self.updater: StoppableUpdater | None = None
+
+    def start(self) -> None:
+        started = time.monotonic()
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.eplb.eplb_manager import EPLBManager
+        from sglang.srt.eplb.expert_distribution import set_global_expert_distribution_recorder
+        from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        from sglang_integration.testing.shared_experts import (
+            SharedExpertsModel,
+            attach_shared_experts,
+            read_shape,
+        )
+        from sglang_integration.testing.synthetic_load import SyntheticLoadRecorder
+
+        spec, rank = self.spec, self.rank
+        _counters_on_the_cpu()
+        args = _publish_and_join(
+            rank,
+            world_size=spec.world_size,
+            port=spec.port,
+            model_dir=spec.model_dir,
+            num_redundant=spec.num_redundant,
+            eplb_rebalance_layers_per_chunk=spec.layers_per_chunk,
+            weight_cache_mode="client",
+            weight_cache_socket=spec.sockets[rank],
+        )
+        if spec.plugin:
+            from sglang_integration import plugin
+
+            plugin.register()  # what sglang's load_plugins() calls in an engine process
+            HookRegistry.apply_hooks()
+        model_config = ModelConfig.from_server_args(args)
+        runner = _RunnerAttributes(model_config)
+        # sglang's real method; with the plugin, the startup hook runs around it.
+        ModelRunner.maybe_init_expert_location_metadata(runner)
+        if spec.plugin:
+            from sglang_integration.engine.weight_source import WeightSource, record_weight_source
+
+            # What the IPC loader hook records once the daemon served fetch_state; that fetch
+            # maps CUDA IPC handles, so here the experts are mapped from shared memory instead.
+            record_weight_source(WeightSource.DAEMON)
+        shape = read_shape(spec.expert_dir, rank)
+        set_global_expert_distribution_recorder(
+            SyntheticLoadRecorder(shape.num_layers, shape.num_logical_experts, seed=spec.load_seed)
+        )
+        model = SharedExpertsModel(attach_shared_experts(spec.expert_dir, rank))
+        if spec.plugin:
+            from sglang_integration.engine.load_check import around_load_model
+
+            # The plugin's hook on ModelRunner.load_model, around the stand-in for the load: the
+            # experts mapped from shared memory (the IPC loader's zero-copy mapping on a GPU).
+            around_load_model(lambda loaded: setattr(loaded, "model", model), runner)
+        updater = StoppableUpdater(ExpertLocationUpdater())
+        self.model, self.updater = model, updater
+        self.manager = EPLBManager(
+            model_config=model_config,
+            get_model=lambda: model,
+            get_expert_location_updater=lambda: updater,
+            get_expert_backup_client=lambda: None,
+            get_weight_updater=NoDiskReload,
+        )
+        self.startup_seconds = time.monotonic() - started
+
+    # ------------------------------------------------------------ commands
+
+    def report(self) -> dict[str, Any]:
+        """What this rank knows now: its metadata's map and the bytes it maps, its session with
+        the daemon and its rebalance state (with the plugin), and its daemon's answer."""
+        engine_map = routed_map()
+        experts = self.model.experts
+        report: dict[str, Any] = {
+            "rank": self.rank,
+            "engine": self.spec.name,
+            "plugin": self.spec.plugin,
+            "map": engine_map,
+            "matching": experts.count_matching_slots(engine_map),
+            "local_slots": experts.shape.num_layers * experts.shape.num_local_slots,
+            "rebalances_run": self.rebalances_run,
+            "startup_seconds": self.startup_seconds,
+            "session": None,
+            "state": None,
+            "daemon": None,
+        }
+        if self.spec.plugin:
+            from sglang_integration.engine import client
+            from sglang_integration.engine.rebalance import rebalance_state
+            from sglang_integration.engine.startup import current_session
+
+            session = current_session()
+            if session is not None:
+                report["session"] = {
+                    "engine_id": session.engine_id,
+                    "finding": session.finding.value,
+                    "attached": session.attached,
+                    "version": session.version,
+                    "digest": session.digest,
+                }
+            state = rebalance_state(self.manager)
+            report["state"] = {
+                "mode": None if state.mode is None else state.mode.value,
+                "version": state.version,
+                "rebalances_done": state.rebalances_done,
+                "rebalances_paused": state.rebalances_paused,
+                "chunks_committed": state.chunks_committed,
+                "stopped_reason": state.stopped_reason,
+            }
+            layout = client.query(self.spec.sockets[self.rank]).layout
+            if layout is not None:
+                report["daemon"] = {
+                    "version": layout.version,
+                    "digest": layout.digest,
+                    "map": [list(row) for row in layout.physical_to_logical_map],
+                    "attached": list(layout.attached),
+                    "pending": None
+                    if layout.pending is None
+                    else {
+                        "engine_id": layout.pending.engine_id,
+                        "layers": list(layout.pending.layers),
+                        "base_version": layout.pending.base_version,
+                    },
+                    "dirty": layout.dirty,
+                }
+        report["logs"] = self.capture.take()
+        return report
+
+    def rebalance(self, count: int) -> dict[str, Any]:
+        for _ in range(count):
+            for _ in self.manager.rebalance():
+                pass
+            self.rebalances_run += 1
+        return self.report()
+
+    def stop_between_chunks(self, count: int, channel: Connection) -> None:
+        """``count`` whole rebalances, then one more that stops where its first chunk is committed
+        and its second not begun (the hooked generator's second yield); tell the parent, wait."""
+        self.rebalance(count)
+        map_before = routed_map()
+        for index, _ in enumerate(self.manager.rebalance()):
+            if index == 1:
+                report = self.report()
+                report["map_before"] = map_before
+                channel.send({"event": "stopped", "where": "between chunks", **report})
+                block_until_killed()
+        raise RuntimeError("the rebalance ended before its second chunk began")
+
+    def stop_in_move(self, count: int, channel: Connection) -> None:
+        """``count`` whole rebalances, then one more that stops inside the move of its first chunk,
+        after begin and after the first of its layers moved; tell the parent, wait."""
+        self.rebalance(count)
+
+        def stopped(layers: list[int]) -> None:
+            report = self.report()
+            report["moving_layers"] = layers
+            channel.send({"event": "stopped", "where": "in the move", **report})
+
+        if self.updater is None:
+            raise RuntimeError("the engine has no updater")
+        self.updater.stop_after_first_layer = stopped
+        for _ in self.manager.rebalance():
+            pass
+        raise RuntimeError("the rebalance ended without reaching the move")
+
+    def wait_alone(self, timeout: float) -> dict[str, Any]:
+        """Poll this rank's daemon until this engine is the only one attached."""
+        from sglang_integration.engine import client
+        from sglang_integration.engine.startup import current_session
+
+        session = current_session()
+        if session is None:
+            raise RuntimeError("this engine did not attach to its daemon")
+        deadline = time.monotonic() + timeout
+        polls = 0
+        while True:
+            polls += 1
+            layout = client.query(self.spec.sockets[self.rank]).layout
+            if layout is not None and list(layout.attached) == [session.engine_id]:
+                return {"rank": self.rank, "polls": polls}
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"still not alone on {self.spec.sockets[self.rank]} after {timeout} s: "
+                    f"attached {None if layout is None else list(layout.attached)}"
+                )
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.spec.plugin:
+            from sglang_integration.engine.startup import close_session
+
+            close_session()
+
+
+@dataclass
+class _RunnerAttributes:
+    """What ``ModelRunner.maybe_init_expert_location_metadata`` and its hook read of the runner
+    (a real ``ModelRunner`` allocates accelerator memory when built)."""
+
+    model_config: Any
+    is_draft_worker: bool = False
+    gpu_id: int = 0
+    model: Any = None  # set by the load (``load_model``'s stand-in)
+
+
+def _log_to(path: str | None) -> None:
+    if path is not None:
+        from sglang_integration.testing.daemon_control import redirect_output
+
+        redirect_output(path)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
+        force=True,
+    )
+
+
+def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
+    """Process target: one engine rank. Sends ``started`` (with a report) or ``startup_failed``
+    (the startup hook refused: ``error`` is its reason), then answers commands until ``exit``.
+
+    Commands are ``(verb, fields)``: ``rebalance`` (count), ``wait_alone`` (timeout),
+    ``stop_between_chunks`` / ``stop_in_move`` (count of whole rebalances first; the rank then
+    sends ``stopped`` and waits to be killed), ``exit``. A failed command is answered with
+    ``{"event": "error", "error": traceback}``.
+    """
+    _log_to(spec.log_path(rank))
+    os.environ.update(QUIET_SGLANG_ENV)
+    os.environ.update(dict(spec.env))
+    from sglang.srt.utils import kill_itself_when_parent_died
+
+    # Die with the forkserver, which exits with the process that started it: a rank stopped
+    # for a SIGKILL never outlives a parent that was itself killed before sending it.
+    release_forkserver()
+    kill_itself_when_parent_died()
+    capture = LogCapture()
+    logging.getLogger("sglang_integration").addHandler(capture)
+    engine = _EngineRank(spec, rank, capture)
+    try:
+        engine.start()
+    except Exception as exc:
+        from layout_ledger.core.startup_verdict import ExpertLayoutStartupError
+
+        logger.exception("engine %s rank %d did not start", spec.name, rank)
+        if isinstance(exc, ExpertLayoutStartupError):
+            channel.send(
+                {
+                    "event": "startup_failed",
+                    "rank": rank,
+                    "error_type": type(exc).__name__,
+                    "error": str(exc),
+                    "logs": capture.take(),
+                }
+            )
+            return
+        channel.send({"event": "error", "rank": rank, "error": traceback.format_exc()})
+        raise
+    channel.send({"event": "started", **engine.report()})
+    while True:
+        try:
+            verb, fields = channel.recv()
+        except EOFError:
+            return  # the parent is gone
+        if verb == "exit":
+            engine.close()
+            channel.send({"event": "exited", "rank": rank})
+            return
+        try:
+            if verb == "rebalance":
+                reply: dict[str, Any] = engine.rebalance(int(fields["count"]))
+            elif verb == "wait_alone":
+                reply = engine.wait_alone(float(fields["timeout"]))
+            elif verb == "stop_between_chunks":
+                engine.stop_between_chunks(int(fields["count"]), channel)
+                continue
+            elif verb == "stop_in_move":
+                engine.stop_in_move(int(fields["count"]), channel)
+                continue
+            else:
+                raise ValueError(f"unknown engine command {verb!r}")
+        except Exception:
+            logger.exception("engine %s rank %d: command %s failed", spec.name, rank, verb)
+            channel.send({"event": "error", "rank": rank, "error": traceback.format_exc()})
+            continue
+        channel.send({"event": "ok", **reply})
+
+
+# ---------------------------------------------------------------- the parent's handle -------
+
+
+class EngineRankError(RuntimeError):
+    """An engine rank failed, died or did not answer in time (the message has its log's tail)."""
+
+
+@dataclass
+class CpuEngine:
+    """The parent's handle on one engine's rank processes (see ``run_engine_rank``)."""
+
+    spec: EngineSpec
+    processes: list[BaseProcess]
+    channels: list[Connection]
+    started: list[dict[str, Any]] = field(default_factory=list)
+    failed: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def launch(
+        cls, spec: EngineSpec, context: ForkServerContext | None = None, timeout: float = 120.0
+    ) -> CpuEngine:
+        """Start every rank and wait for each to start or to refuse (``failed`` then holds the
+        reasons; the processes have exited)."""
+        context = context or engine_process_context()
+        processes: list[BaseProcess] = []
+        channels: list[Connection] = []
+        for rank in range(spec.world_size):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=run_engine_rank, args=(spec, rank, theirs), name=f"engine-{spec.name}-{rank}"
+            )
+            process.start()
+            theirs.close()
+            processes.append(process)
+            channels.append(ours)
+        engine = cls(spec, processes, channels)
+        try:
+            replies = engine._receive_all(timeout, "start")
+        except BaseException:
+            engine.kill()
+            raise
+        engine.started = [r for r in replies if r["event"] == "started"]
+        engine.failed = [r for r in replies if r["event"] == "startup_failed"]
+        if engine.failed:
+            engine.join(30)
+        return engine
+
+    @property
+    def engine_id(self) -> str | None:
+        """The id the engine's ranks share (None without the plugin or when it did not start)."""
+        if not self.started or self.started[0]["session"] is None:
+            return None
+        engine_id: str = self.started[0]["session"]["engine_id"]
+        return engine_id
+
+    def ask(self, verb: str, wait: float = 120.0, **fields: Any) -> list[dict[str, Any]]:
+        """Send one command to every rank; each rank's reply, by rank, within ``wait`` s."""
+        for channel in self.channels:
+            channel.send((verb, fields))
+        return self._receive_all(wait, verb)
+
+    def rebalance(self, count: int, timeout: float = 180.0) -> list[dict[str, Any]]:
+        return self.ask("rebalance", timeout, count=count)
+
+    def wait_alone(self, timeout: float = 30.0) -> list[dict[str, Any]]:
+        return self.ask("wait_alone", timeout + 10.0, timeout=timeout)
+
+    def stop_between_chunks(self, count: int, timeout: float = 180.0) -> list[dict[str, Any]]:
+        """Run ``count`` rebalances, then stop every rank between the next one's two chunks."""
+        return self._stop("stop_between_chunks", count, timeout)
+
+    def stop_in_move(self, count: int, timeout: float = 180.0) -> list[dict[str, Any]]:
+        """Run ``count`` rebalances, then stop every rank inside the next one's first move."""
+        return self._stop("stop_in_move", count, timeout)
+
+    def _stop(self, verb: str, count: int, timeout: float) -> list[dict[str, Any]]:
+        replies = self.ask(verb, timeout, count=count)
+        for reply in replies:
+            if reply["event"] != "stopped":
+                raise EngineRankError(f"rank {reply['rank']} did not stop: {reply}")
+        return replies
+
+    def exit(self, timeout: float = 30.0) -> None:
+        """A clean stop: every rank closes its attachment and returns."""
+        if all(process.is_alive() for process in self.processes):
+            self.ask("exit", timeout)
+        self.join(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running (the kernel closes its attach connections)."""
+        for process in self.processes:
+            if process.pid is not None and process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+        self.join(30)
+        for channel in self.channels:
+            channel.close()
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+
+    def _receive_all(self, timeout: float, what: str) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        replies: dict[int, dict[str, Any]] = {}
+        waiting = dict(enumerate(self.channels))
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineRankError(
+                    f"engine {self.spec.name}: ranks {sorted(waiting)} did not answer {what!r} "
+                    f"within {timeout:.0f} s{self._log_tails(sorted(waiting))}"
+                )
+            ready = multiprocessing.connection.wait(list(waiting.values()), timeout=left)
+            for rank, channel in list(waiting.items()):
+                if channel not in ready:
+                    continue
+                try:
+                    reply = channel.recv()
+                except EOFError:
+                    raise EngineRankError(
+                        f"engine {self.spec.name} rank {rank} exited during {what!r} "
+                        f"(exit code {self.processes[rank].exitcode}){self._log_tails([rank])}"
+                    ) from None
+                if reply.get("event") == "error":
+                    raise EngineRankError(
+                        f"engine {self.spec.name} rank {rank} failed during {what!r}:\n"
+                        f"{reply['error']}"
+                    )
+                replies[rank] = reply
+                del waiting[rank]
+        return [replies[rank] for rank in sorted(replies)]
+
+    def _log_tails(self, ranks: Sequence[int], lines: int = 20) -> str:
+        tails = []
+        for rank in ranks:
+            path = self.spec.log_path(rank)
+            if path is None:
+                continue
+            try:
+                text = Path(path).read_text(errors="replace").splitlines()[-lines:]
+            except FileNotFoundError:
+                continue
+            tails.append(f"\n--- last lines of {path}:\n" + "\n".join(text))
+        return "".join(tails)
