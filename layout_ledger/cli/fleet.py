@@ -1,10 +1,10 @@
 """``layout-ledger fleet``: every ledger of an engine at once, and the verdict its startup reaches.
 
 An engine with EP 16 has 16 daemons and 16 ledgers. ``collect_fleet`` reads each one read-only
-(``snapshot``), describes it as the engine rank on that GPU would describe its daemon's attach
-reply (a ``RankFinding``), and hands the findings to ``layout_ledger.core.startup_verdict.decide``:
-the same code every engine rank runs at startup. So the verdict is the engine's own: adopt version
-V with digest D, keep the initial layout, or fail.
+(``history.overview``), describes it as the engine rank on that GPU would describe its daemon's
+attach reply (a ``RankFinding``), and hands the findings to
+``layout_ledger.core.startup_verdict.decide``: the same code every engine rank runs at startup. So
+the verdict is the engine's own: adopt version V with digest D, keep the initial layout, or fail.
 
 Each ledger becomes a finding the way the engine makes one (``agreement.finding_from_layout``):
 dirty -> DIRTY; a move pending -> STUCK (an engine starting now waits for it, up to
@@ -46,9 +46,9 @@ from layout_ledger.core.startup_verdict import (
 )
 from layout_ledger.core.state import PendingMove
 from layout_ledger.history.overview import (
-    LedgerSnapshot,
+    LedgerOverview,
     UnreadableLedger,
-    read_snapshots,
+    read_overviews,
     require_one_readable,
 )
 from layout_ledger.history.reader import LedgerReader
@@ -134,17 +134,17 @@ class FleetReport(JsonShaped):
 
 def collect_fleet(paths: Sequence[Path]) -> FleetReport:
     """Read every ledger and reach the engine's startup verdict over them."""
-    read = read_snapshots(paths)
+    read = read_overviews(paths)
     require_one_readable(read)
     ranks = _ranks(read)
     rows = tuple(_row(rank, item) for rank, item in zip(ranks, read, strict=True))
     return FleetReport(rows, _verdict(rows))
 
 
-def _ranks(read: Sequence[LedgerSnapshot | UnreadableLedger]) -> list[int]:
+def _ranks(read: Sequence[LedgerOverview | UnreadableLedger]) -> list[int]:
     """Each ledger's TP rank when all recorded distinct ones, else the paths' order."""
     tp_ranks = [
-        item.incarnation.origin.tp_rank if isinstance(item, LedgerSnapshot) else None
+        item.incarnation.origin.tp_rank if isinstance(item, LedgerOverview) else None
         for item in read
     ]
     known = [rank for rank in tp_ranks if rank is not None]
@@ -153,7 +153,7 @@ def _ranks(read: Sequence[LedgerSnapshot | UnreadableLedger]) -> list[int]:
     return list(range(len(read)))
 
 
-def _row(rank: int, item: LedgerSnapshot | UnreadableLedger) -> FleetRow:
+def _row(rank: int, item: LedgerOverview | UnreadableLedger) -> FleetRow:
     if isinstance(item, UnreadableLedger):
         finding = RankFinding(
             rank, FindingKind.UNREADABLE, f"ledger {item.path}", "", reason=item.problem
@@ -195,7 +195,7 @@ def _row(rank: int, item: LedgerSnapshot | UnreadableLedger) -> FleetRow:
     )
 
 
-def _finding(rank: int, item: LedgerSnapshot) -> RankFinding:
+def _finding(rank: int, item: LedgerOverview) -> RankFinding:
     """What the engine rank on this ledger's GPU would find, were it starting now."""
     inc = item.incarnation
     socket_path = inc.origin.socket_path or f"ledger {item.path}"

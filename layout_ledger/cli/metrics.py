@@ -20,8 +20,8 @@ constant labels given with ``--label``:
 The counters count the latest incarnation: a daemon restart resets them, as a process restart
 resets any counter (Prometheus' ``rate`` and ``increase`` handle the reset).
 
-Collecting (``collect_metrics``) reads each ledger read-only (``snapshot``): a WAL reader that
-never blocks the daemon's commits, and no checkpoint waits for it. Only the rendering needs the
+Collecting (``collect_metrics``) reads each ledger read-only (``history.overview``): a WAL reader
+that never blocks the daemon's commits, and no checkpoint waits for it. Only the rendering needs the
 official ``prometheus_client`` (the ``metrics`` extra), imported when asked for, so the core
 install stays SQLAlchemy + Alembic. ``write_textfile`` writes the text exposition format
 atomically for node_exporter's textfile collector; ``serve_metrics`` serves ``/metrics`` with
@@ -46,9 +46,9 @@ from layout_ledger.cli.terminal import printable
 from layout_ledger.core.errors import LedgerError, LedgerFileError
 from layout_ledger.history.overview import (
     REFUSAL_KINDS,
-    LedgerSnapshot,
+    LedgerOverview,
     UnreadableLedger,
-    read_snapshots,
+    read_overviews,
 )
 
 logger = logging.getLogger(__name__)
@@ -70,9 +70,9 @@ def check_constant_labels(labels: Mapping[str, str]) -> None:
 
 @dataclass(frozen=True)
 class MetricsReport:
-    """What one collection read: each ledger's snapshot (or why it could not), and when."""
+    """What one collection read: each ledger's overview (or why it could not), and when."""
 
-    ledgers: tuple[LedgerSnapshot | UnreadableLedger, ...]
+    ledgers: tuple[LedgerOverview | UnreadableLedger, ...]
     labels: Mapping[str, str]
     collected_at: float  # UNIX seconds
 
@@ -87,14 +87,14 @@ def collect_metrics(
     now: Callable[[], float] | None = None,
 ) -> MetricsReport:
     """Read the ledgers the PATH ``specs`` name (a spec naming none is itself unreadable)."""
-    read: list[LedgerSnapshot | UnreadableLedger] = []
+    read: list[LedgerOverview | UnreadableLedger] = []
     for spec in specs:
         try:
             paths = expand_ledger_paths([spec])
         except LedgerFileError as exc:
             read.append(UnreadableLedger(os.fspath(spec), str(exc)))
             continue
-        read.extend(read_snapshots(paths))
+        read.extend(read_overviews(paths))
     clock = now or (lambda: datetime.datetime.now(datetime.timezone.utc).timestamp())
     return MetricsReport(tuple(read), dict(labels or {}), clock())
 
@@ -111,13 +111,13 @@ def _label_value(value: object) -> str:
     return "" if value is None else printable(str(value))
 
 
-def _ledger_labels(item: LedgerSnapshot) -> list[str]:
+def _ledger_labels(item: LedgerOverview) -> list[str]:
     origin = item.incarnation.origin
     values = (item.path, origin.host, origin.device_uuid, origin.gpu_id, origin.tp_rank)
     return [_label_value(value) for value in values]
 
 
-def _gauges(item: LedgerSnapshot, now: float) -> dict[str, float]:
+def _gauges(item: LedgerOverview, now: float) -> dict[str, float]:
     state, alive = item.state, item.liveness.alive
     pending = state.pending
     pending_for = 0.0
@@ -155,7 +155,7 @@ def families(report: MetricsReport) -> list[Any]:
     constant = list(report.labels)
     extra = [_label_value(value) for value in report.labels.values()]
     labels = [*LEDGER_LABELS, *constant]
-    readable = [item for item in report.ledgers if isinstance(item, LedgerSnapshot)]
+    readable = [item for item in report.ledgers if isinstance(item, LedgerOverview)]
     found: list[Any] = []
     for name, help_text in _GAUGE_HELP.items():
         gauge = core.GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
@@ -174,7 +174,7 @@ def families(report: MetricsReport) -> list[Any]:
 
 
 def _counters(
-    core: Any, readable: Sequence[LedgerSnapshot], labels: list[str], extra: list[str]
+    core: Any, readable: Sequence[LedgerOverview], labels: list[str], extra: list[str]
 ) -> Iterator[Any]:
     commits = core.CounterMetricFamily(
         f"{PREFIX}_commits",
@@ -197,7 +197,7 @@ def _counters(
     yield refusals
 
 
-def _info_labels(item: LedgerSnapshot) -> dict[str, str]:
+def _info_labels(item: LedgerOverview) -> dict[str, str]:
     origin = item.incarnation.origin
     values = {
         "digest": item.state.digest,
@@ -220,7 +220,7 @@ def _readable(core: Any, report: MetricsReport, constant: list[str], extra: list
         labels=["ledger", *constant],
     )
     for item in report.ledgers:
-        gauge.add_metric([_label_value(item.path), *extra], float(isinstance(item, LedgerSnapshot)))
+        gauge.add_metric([_label_value(item.path), *extra], float(isinstance(item, LedgerOverview)))
     return gauge
 
 

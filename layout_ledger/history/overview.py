@@ -1,9 +1,9 @@
 """One ledger's latest incarnation as the whole-engine commands see it (``fleet``, ``metrics``).
 
-``read_snapshot`` reads, in one read transaction of a ``LedgerReader`` (read-only, never
+``read_overview`` reads, in one read transaction of a ``LedgerReader`` (read-only, never
 blocking the daemon), the latest incarnation with its origin, its state as a restarted daemon
 would derive it, the counters a monitor wants (commits, refusals by kind, the last commit's
-time), and probes whether its daemon runs (``liveness``). ``read_snapshots`` reads many and
+time), and probes whether its daemon runs (``liveness``). ``read_overviews`` reads many and
 turns a ledger that cannot be read into an ``UnreadableLedger`` saying why, so one bad file
 never hides the others.
 """
@@ -27,7 +27,7 @@ from layout_ledger.history.reader import LedgerReader
 from layout_ledger.store.replay import read_state
 from layout_ledger.store.rows import Incarnation, in_list, incarnation
 
-# The refusal event kinds a snapshot counts (each ``*_refused``, and the busy begin).
+# The refusal event kinds an overview counts (each ``*_refused``, and the busy begin).
 REFUSAL_KINDS: tuple[str, ...] = (
     *(ev.refused_kind(verb) for verb in ev.REFUSABLE_VERBS),
     ev.BEGIN_BUSY,
@@ -35,7 +35,7 @@ REFUSAL_KINDS: tuple[str, ...] = (
 
 
 @dataclass(frozen=True)
-class LedgerSnapshot:
+class LedgerOverview:
     """A ledger's latest incarnation: who wrote it, its state, counters, and liveness."""
 
     path: str
@@ -55,12 +55,12 @@ class UnreadableLedger:
     problem: str
 
 
-def read_snapshot(path: str | os.PathLike[str]) -> LedgerSnapshot:
+def read_overview(path: str | os.PathLike[str]) -> LedgerOverview:
     """The latest incarnation of the ledger at ``path``; raises what the reader raises."""
     with LedgerReader(Path(path)) as ledger, ledger.connect() as conn:
         inc = incarnation(conn)
         state = read_state(conn, inc.incarnation_id)
-        return LedgerSnapshot(
+        return LedgerOverview(
             path=os.fspath(path),
             incarnation=inc,
             state=state,
@@ -71,12 +71,12 @@ def read_snapshot(path: str | os.PathLike[str]) -> LedgerSnapshot:
         )
 
 
-def read_snapshots(paths: Sequence[Path]) -> list[LedgerSnapshot | UnreadableLedger]:
-    """Each ledger's snapshot, or why it cannot be read; in the order given."""
-    read: list[LedgerSnapshot | UnreadableLedger] = []
+def read_overviews(paths: Sequence[Path]) -> list[LedgerOverview | UnreadableLedger]:
+    """Each ledger's overview, or why it cannot be read; in the order given."""
+    read: list[LedgerOverview | UnreadableLedger] = []
     for path in paths:
         try:
-            read.append(read_snapshot(path))
+            read.append(read_overview(path))
         except LedgerError as exc:
             read.append(UnreadableLedger(os.fspath(path), str(exc)))
         except (SQLAlchemyError, json.JSONDecodeError) as exc:
@@ -88,7 +88,7 @@ def read_snapshots(paths: Sequence[Path]) -> list[LedgerSnapshot | UnreadableLed
     return read
 
 
-def require_one_readable(read: Sequence[LedgerSnapshot | UnreadableLedger]) -> None:
+def require_one_readable(read: Sequence[LedgerOverview | UnreadableLedger]) -> None:
     """With no ledger readable there is nothing to show: raise why the first one is not."""
     unreadable = [item for item in read if isinstance(item, UnreadableLedger)]
     if unreadable and len(unreadable) == len(read):

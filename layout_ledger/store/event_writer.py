@@ -1,6 +1,6 @@
 """Writing the ``events`` table: every row chained, identical consecutive refusals counted.
 
-One ``EventLog`` per open ledger (its one writer) keeps the last row written, the *head*:
+One ``EventWriter`` per open ledger (its one writer) keeps the last row written, the *head*:
 
 - every new row's ``chain`` is ``chain.link`` of the head's chain value and the row's fields;
 - a refusal identical to the head (same incarnation, kind, engine, reason and version) is not
@@ -70,7 +70,7 @@ def fields_of(incarnation_id: int, event: ev.Event) -> tuple[object, ...]:
     )
 
 
-class EventLog:
+class EventWriter:
     """The writer of one ledger's ``events`` (see the module docstring)."""
 
     def __init__(self, driver: sqlite3.Connection) -> None:

@@ -32,7 +32,7 @@ from layout_ledger.core.record import END_FOUND_UNENDED, LayoutRecord
 from layout_ledger.core.state import utc_now
 from layout_ledger.store import maintenance
 from layout_ledger.store.connections import open_reader_engine, open_writer
-from layout_ledger.store.event_writer import EventLog
+from layout_ledger.store.event_writer import EventWriter
 from layout_ledger.store.maintenance import CheckpointResult, Maintenance
 from layout_ledger.store.migrate import upgrade_to_head
 from layout_ledger.store.origin import COLUMNS as ORIGIN_COLUMNS
@@ -78,7 +78,7 @@ class Ledger:
         except BaseException:
             self._writer.close()
             raise
-        self._events = EventLog(self._writer.driver())
+        self._events = EventWriter(self._writer.driver())
         self.record: LayoutRecord | None = None
         self.maintenance: Maintenance | None = None
 

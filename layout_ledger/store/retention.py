@@ -18,7 +18,7 @@ from sqlalchemy import Connection
 from layout_ledger.core import events as ev
 from layout_ledger.core.errors import LedgerError
 from layout_ledger.core.state import utc_now
-from layout_ledger.store.event_writer import EventLog
+from layout_ledger.store.event_writer import EventWriter
 from layout_ledger.store.replay import replayed
 from layout_ledger.store.rows import Incarnation, current_version, incarnation, reconstructible_from
 from layout_ledger.store.version_walk import WalkInconsistency, check_version_digests
@@ -69,7 +69,7 @@ def unverified_below(conn: Connection, incarnation_id: int, version: int) -> str
 
 def prune_incarnation(
     conn: Connection,
-    events: EventLog,
+    events: EventWriter,
     inc: Incarnation,
     keep_versions: int,
     refuse_pending: bool,
