@@ -126,7 +126,7 @@ class ExpertContents:
     """Per layer, the fingerprint of each logical expert, learned from recorded slots.
 
     A fingerprint recorded for two experts, or two fingerprints for one expert, is a conflict
-    (``conflicts``): the record cannot say which is right.
+    (``conflicts``): the recorded slots cannot say which is right.
     """
 
     def __init__(self) -> None:

@@ -572,7 +572,7 @@ class LayoutRecord:
         )
 
     def _refuse(self, verb: str, engine_id: Any, exc: LedgerError) -> NoReturn:
-        """Record the refusal's one event, then raise it (a failed record is only logged).
+        """Append the refusal's one event, then raise it (an append that fails is only logged).
 
         The event names the engine only by an id a request may name (``rules``).
         """

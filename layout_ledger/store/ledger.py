@@ -109,11 +109,11 @@ class Ledger:
         """A journal append's transaction, on the driver connection (joins ``transaction``).
 
         Every record change runs here, on the driver: SQLAlchemy's per-statement execution
-        context would be a large share of what the ledger adds to a commit. A failure
-        rolls the whole transaction back and becomes a ``LedgerStorageError``. ``synced=False``
-        leaves out the WAL's fsync for this transaction (``synchronous=NORMAL``): it is written
-        before the call returns, so no daemon crash can lose it, and the next synced one (or
-        checkpoint) puts it on disk with itself.
+        context would be a large share of what the ledger adds to a commit. A failure rolls the
+        whole transaction back and becomes a ``LedgerStorageError``. ``synced=False`` leaves out
+        the WAL's fsync for this transaction (``synchronous=NORMAL``): it is written before the
+        call returns, so no daemon crash can lose it, and the next synced one (or checkpoint)
+        puts it on disk with itself.
         """
         with self._lock:
             driver = self._writer.driver()
@@ -398,9 +398,9 @@ class LedgerJournal:
     ) -> None:
         """Events (with a new version's rows and fingerprints) and an end's incarnation update.
 
-        Versions (a start's or a commit's rows) and an incarnation's end are fsynced before
-        this returns: a reply of ``ok`` to a commit means it is on disk. Every other event is
-        written (no crash of the daemon can lose it) and reaches the disk with the next
+        Versions (a start's, commit's or repair's rows) and an incarnation's end are fsynced
+        before this returns: a reply of ``ok`` to a commit means it is on disk. Every other event
+        is written (no crash of the daemon can lose it) and reaches the disk with the next
         version or checkpoint: only a machine crash, which also loses the weights in GPU memory
         and so ends the incarnation, could take the newest of them.
         """

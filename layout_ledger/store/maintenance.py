@@ -135,8 +135,8 @@ class Maintenance:
     """The background thread of one ledger; ``note_append`` after each journal append.
 
     Woken every ``CHECKPOINT_EVERY`` appends (sooner while the WAL is large, and when a prune is
-    due), it runs every ``prune_every`` commits ``prune``; then a PASSIVE checkpoint on its own
-    connection, which never waits for anyone; and past ``WAL_RESTART_BYTES``, when that one
+    due), it prunes once ``prune_every`` commits have passed; runs a PASSIVE checkpoint on its
+    own connection, which never waits for anyone; and past ``WAL_RESTART_BYTES``, when that one
     completed, a RESTART checkpoint under the writer's own (Python) lock, so that no commit is
     mid-flight, with SQLite's busy timeout at 0 (a reader holding an old snapshot makes it give
     up at once). The writer connection's automatic checkpoint is off, so no commit pays for one.

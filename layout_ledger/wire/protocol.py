@@ -408,7 +408,7 @@ def refusal_reply(status: str, reason: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Committed:
-    """The ``ok`` reply to commit: the new version and the digest of the whole new map."""
+    """The ``ok`` reply to commit and repair: the new version and the digest of the new map."""
 
     version: int
     digest: str
@@ -520,7 +520,8 @@ class Reply:
     def _read_ok(
         cls, raw: Mapping[str, Any], reason: str | None, *, request_type: str, peer: str
     ) -> Reply:
-        """An ``ok`` reply: attach and query carry a valid layout, commit a version and digest."""
+        """An ``ok`` reply: attach and query carry a valid layout, commit and repair a version and
+        digest, a content check a valid content."""
         layout = None
         if "layout" in raw:
             try:
