@@ -12,7 +12,7 @@ has from a record (``ExpertContents``), and says what a slot holds in words ("ex
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,11 +56,17 @@ class LocalFingerprints:
     first_slot: int
     layers: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
 
+    def slots(self, layer: int) -> Iterator[tuple[int, str]]:
+        """Each local slot of ``layer`` with its fingerprint: ``(slot, fingerprint)``, in slot
+        order from ``first_slot``. Every loop over a layer's local slots goes through here."""
+        return enumerate(self.layers[layer], start=self.first_slot)
+
     def row_json(self, layer: int) -> str:
         """A layer's fingerprints as the ledger stores them (compact JSON array)."""
         return json.dumps(list(self.layers[layer]), separators=(",", ":"))
 
     def only(self, layers: Iterable[int]) -> LocalFingerprints:
+        """These fingerprints of ``layers`` alone (a layer they do not cover is left out)."""
         return LocalFingerprints(
             self.first_slot, {layer: self.layers[layer] for layer in layers if layer in self.layers}
         )
@@ -120,7 +126,7 @@ class ExpertContents:
     """Per layer, the fingerprint of each logical expert, learned from recorded slots.
 
     A fingerprint recorded for two experts, or two fingerprints for one expert, is a conflict
-    (``conflicts``): the record cannot say which is right.
+    (``conflicts``): the recorded slots cannot say which is right.
     """
 
     def __init__(self) -> None:
@@ -151,19 +157,15 @@ class ExpertContents:
         experts[expert] = fingerprint
         holders[fingerprint] = expert
 
-    def learn_slots(
-        self, layer: int, row: Sequence[int], fingerprints: Sequence[str], first_slot: int
-    ) -> None:
-        """Learn from slots ``first_slot ..`` of a map row and their recorded fingerprints."""
-        for index, fingerprint in enumerate(fingerprints):
-            slot = first_slot + index
+    def learn_slots(self, layer: int, row: Sequence[int], local: LocalFingerprints) -> None:
+        """Learn from ``layer``'s local slots: the expert ``row`` (its map row) names in each,
+        and the fingerprint ``local`` recorded there."""
+        for slot, fingerprint in local.slots(layer):
             self.learn(layer, int(row[slot]), fingerprint, f"slot {slot}")
 
     def fingerprint_of(self, layer: int, expert: int) -> str | None:
+        """The fingerprint learned for ``expert`` of ``layer`` (None: never learned)."""
         return self._of_expert.get(layer, {}).get(expert)
-
-    def experts_of(self, layer: int) -> Mapping[int, str]:
-        return self._of_expert.get(layer, {})
 
     def identify(self, layer: int, fingerprint: str) -> Identified:
         """What ``fingerprint`` holds, as far as this layer's known experts tell."""
@@ -216,17 +218,16 @@ def replica_disagreements(
     """Per layer, the local slots the map gives one expert whose fingerprints differ (a load
     that left a replica unfilled), in words; layers where every replica agrees are absent."""
     found: dict[int, str] = {}
-    for layer, fingerprints in sorted(local.layers.items()):
+    for layer in sorted(local.layers):
         row = physical_to_logical_map[layer]
-        slots_of: dict[int, list[int]] = {}
-        for index in range(len(fingerprints)):
-            slots_of.setdefault(int(row[local.first_slot + index]), []).append(index)
+        slots_of: dict[int, list[tuple[int, str]]] = {}
+        for slot, fingerprint in local.slots(layer):
+            slots_of.setdefault(int(row[slot]), []).append((slot, fingerprint))
         texts = []
-        for expert, indexes in sorted(slots_of.items()):
-            if len({fingerprints[index] for index in indexes}) > 1:
+        for expert, held in sorted(slots_of.items()):
+            if len({fingerprint for _, fingerprint in held}) > 1:
                 shown = ", ".join(
-                    f"slot {local.first_slot + index} {_summary(fingerprints[index])}"
-                    for index in indexes
+                    f"slot {slot} {_summary(fingerprint)}" for slot, fingerprint in held
                 )
                 texts.append(f"expert {expert} in slots that differ ({shown})")
         if texts:

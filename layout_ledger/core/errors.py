@@ -67,7 +67,8 @@ class EngineAlreadyAttached(RequestRefused):
 
 
 class LayoutDirty(RequestRefused):
-    """An engine left mid-move, so the weights' layout is unknown until the daemon restarts."""
+    """The weights' layout is unknown (an engine left mid-move, or slot content is not what the
+    record says) until a repair or a daemon restart."""
 
 
 class StaleBaseVersion(RequestRefused):

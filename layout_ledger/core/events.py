@@ -1,4 +1,9 @@
-"""Event kinds and the event value every state change appends to the ledger's history."""
+"""Event kinds, and the event every change of a record appends (one row of ``events``).
+
+The record builds each ``Event``, its journal appends it, and a replay turns it back into the
+transition that wrote it. The kinds are part of the file format and of the forensic views
+(``ledger_events``), so they never change in place.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ REPAIR = "repair"
 NON_FOLLOWING_FETCH = "non_following_fetch"
 PRUNE = "prune"
 BEGIN_BUSY = "begin_busy"
-# A refused request appends "<verb>_refused" (attach, begin, commit, abort, fetch) and nothing else.
+# A refused request appends "<verb>_refused" (one of REFUSABLE_VERBS) and nothing else; a begin
+# that is only busy appends BEGIN_BUSY.
 REFUSED_SUFFIX = "_refused"
 REFUSABLE_VERBS = ("attach", "begin", "commit", "abort", "fetch", "repair")
 
@@ -43,21 +49,23 @@ ALL_KINDS: tuple[str, ...] = (
     *(verb + REFUSED_SUFFIX for verb in REFUSABLE_VERBS),
 )
 
-# Kinds that end a pending move.
-MOVE_ENDING_KINDS = (COMMIT, ABORT, DIRTY)
-# Kinds that make the layout unknown, and the kind that makes it known again.
-DIRTY_KINDS = (DIRTY, CONTENT_DIRTY)
-
 MAX_TEXT = 1024  # events store at most this many characters of an engine id or a reason
 
 
 def refused_kind(verb: str) -> str:
+    """The kind of the event a refused ``verb`` appends (``attach_refused``, ...)."""
     if verb not in REFUSABLE_VERBS:
         raise ValueError(f"unknown verb {verb!r}; expected one of {REFUSABLE_VERBS}")
     return verb + REFUSED_SUFFIX
 
 
+def is_refusal(kind: str) -> bool:
+    """A refused request's kind, or a busy begin's: the events identical repeats count on."""
+    return kind.endswith(REFUSED_SUFFIX) or kind == BEGIN_BUSY
+
+
 def clip(text: str | None) -> str | None:
+    """``text`` cut to ``MAX_TEXT`` characters (ending ``...`` when cut)."""
     if text is None or len(text) <= MAX_TEXT:
         return text
     return text[: MAX_TEXT - 3] + "..."

@@ -64,8 +64,8 @@ def compact_json(value: Any) -> bytes:
     """``json.dumps(value, separators=(",", ":"))``, encoded: the protocol's JSON.
 
     orjson (in sglang's dependency set, so present wherever a daemon or an engine runs) writes
-    exactly these bytes for lists of ints, about four times faster; without it, or for a value
-    it does not take (an int beyond 64 bits), the standard library does.
+    exactly these bytes for lists of ints, faster; without it, or for a value it does not take
+    (an int beyond 64 bits), the standard library does.
     """
     if _orjson is not None:
         try:
@@ -211,8 +211,8 @@ def _encoded_if_valid(rows: list[Any], geometry: Geometry) -> list[str] | None:
 def _all_below(rows: list[Any], upper: int) -> bool:
     """Every value (a non-negative int, by the text check) is below ``upper``.
 
-    Up to 256 experts, packing the rows into bytes and deleting the allowed values is ~3x
-    faster than ``max`` over Python ints (``bytes`` refuses a value over 255 by itself)."""
+    Up to 256 experts, packing the rows into bytes and deleting the allowed values is faster
+    than ``max`` over Python ints (``bytes`` refuses a value over 255 by itself)."""
     if upper > 256:
         return max(map(max, rows), default=-1) < upper
     try:

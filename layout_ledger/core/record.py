@@ -1,28 +1,20 @@
 """The layout record: the state machine of one daemon incarnation, and the journal it writes to.
 
 ``LayoutRecord`` is the one rulebook. Every transition (start, attach, detach, begin, commit,
-abort, fetch, end) runs under one lock: it checks the request with ``rules``, builds the events
-the change appends, hands them to its ``Journal`` and only then changes its in-memory state. A
-refused request appends its one refusal event (``<verb>_refused`` or ``begin_busy``) inside the
-same locked step and raises; nothing else changes. A journal that fails to append (the ledger
-could not write) therefore leaves memory and file in the same state.
-
-Journals (composition, one method: ``append(events, rows=None, fingerprints=None)``):
-
-- ``layout_ledger.store.ledger.LedgerJournal`` writes each append as one durable SQLite transaction;
-- ``MemoryJournal`` keeps nothing (benchmarks, the model-less daemon's ``--in-memory``);
-- ``layout_ledger.store.replay.StoredEvents`` compares each event with the next row a ledger holds,
-  so ``verify`` and the reader derive an incarnation's state by running these same rules over its
-  history.
-
-The daemon's serve loop and its attach watcher thread both call into one record; the lock makes
-each call's check, append and state change one step, so no interleaving can produce a state the
-rows do not show.
+abort, fetch, content dirty mark, content check, repair, end) runs under one lock: it checks the
+request with ``rules`` (the engine id first), hands the events of the change to its ``Journal``
+and only then changes its state in memory; a refused request appends its one refusal event
+(``<verb>_refused`` or ``begin_busy``) and raises. A journal that cannot append changes nothing
+in memory either, so memory and file agree, and the lock lets the daemon's serve loop and its
+attach watcher thread share one record.
+A repair records the layout an engine's unfinished move left, only when every fingerprint it
+names is what the daemon's own slots show now (``rules.check_repair``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -55,7 +47,7 @@ from layout_ledger.core.state import (
 
 logger = logging.getLogger(__name__)
 
-# The reasons an incarnation's end event gives after its state ("clean: daemon shut down").
+# The reasons an incarnation's end event gives after its end state ("clean: daemon shut down").
 END_SHUTDOWN = "daemon shut down"
 END_FOUND_UNENDED = "the daemon did not shut down cleanly (found unended at the next start)"
 EOF_DETACH = "attach connection closed (EOF)"
@@ -69,7 +61,13 @@ class Fingerprinter(Protocol):
 
 
 class Journal(Protocol):
-    """Where a record's changes go, all or nothing, before they take effect."""
+    """Where a record's changes go, all or nothing, before they take effect.
+
+    ``store.ledger.LedgerJournal`` writes each append as one SQLite transaction, a version's on
+    disk before the daemon replies; ``MemoryJournal`` keeps nothing (benchmarks, ``--in-memory``);
+    ``store.replay.StoredEvents`` compares each event with the next row a ledger holds, so the
+    reader and ``verify`` derive an incarnation's state by running these same rules again.
+    """
 
     def append(
         self,
@@ -98,7 +96,8 @@ def _now() -> str:
 
 
 class LayoutRecord:
-    """One incarnation's layout: version, map, digest, pending move, dirty mark, attachments."""
+    """One incarnation's layout: version, map, digest, pending move, dirty mark, attachments,
+    and (a daemon that records content) its local slots' fingerprints."""
 
     @classmethod
     def in_memory(
@@ -122,10 +121,14 @@ class LayoutRecord:
         *,
         clock: Callable[[], str] | None = None,
         content: LocalFingerprints | None = None,
+        engine_ids: Callable[[Any], str] = rules.check_request_engine_id,
     ) -> None:
+        """``engine_ids`` checks the engine id each transition names, first: a request's rule
+        (a daemon's record), or ``rules.check_engine_id`` for a replay of stored events."""
         self._lock = threading.RLock()
         self.journal = journal
         self._clock = clock or _now
+        self._engine_ids = engine_ids
         self.incarnation_id = incarnation_id
         self.geometry = geometry
         # None once a replayed commit was known by its digest only (its rows were pruned).
@@ -155,10 +158,6 @@ class LayoutRecord:
     def attached(self) -> Collection[str]:
         return self._attached.keys()
 
-    @property
-    def map_known(self) -> bool:
-        return self._row_jsons is not None
-
     def row_jsons(self) -> list[str]:
         """Each layer's row JSON (the map's digest is computed over exactly these texts)."""
         with self._lock:
@@ -185,8 +184,7 @@ class LayoutRecord:
             )
 
     def physical_to_logical_map(self) -> Map:
-        import json
-
+        """The current map (raises ``LedgerError`` while it is known by its digest only)."""
         with self._lock:
             return [json.loads(text) for text in self._known_rows()]
 
@@ -223,14 +221,15 @@ class LayoutRecord:
         """Attach an engine (hold ``lock`` around this and ``state`` for the attach reply)."""
         with self._lock:
             try:
-                engine_id = rules.check_attach(self, engine_id)
+                valid_id = self._engine_ids(engine_id)
+                rules.check_attach(self, valid_id)
             except RequestRefused as exc:
                 self._refuse("attach", engine_id, exc)
             at = self._clock()
             self.journal.append(
-                [ev.Event(at=at, kind=ev.ATTACH, engine_id=engine_id, new_version=self.version)]
+                [ev.Event(at=at, kind=ev.ATTACH, engine_id=valid_id, new_version=self.version)]
             )
-            self._attached[engine_id] = at
+            self._attached[valid_id] = at
 
     def detach(self, engine_id: str, reason: str = EOF_DETACH) -> DirtyMark | None:
         """An engine's attach connection closed. Returns the dirty mark if its move was pending."""
@@ -252,14 +251,16 @@ class LayoutRecord:
             return mark
 
     def begin(self, engine_id: Any, base_version: Any, layers: Any) -> PendingMove:
+        """Begin a move of ``layers`` from ``base_version`` (refused, or busy: ``MoveBusy``)."""
         with self._lock:
             try:
-                valid_layers = rules.check_begin(self, engine_id, base_version, layers)
+                valid_id = self._engine_ids(engine_id)
+                valid_layers = rules.check_begin(self, valid_id, base_version, layers)
             except (RequestRefused, MoveBusy) as exc:
                 self._refuse("begin", engine_id, exc)
             at = self._clock()
             move = PendingMove(
-                engine_id=engine_id, layers=valid_layers, base_version=base_version, since=at
+                engine_id=valid_id, layers=valid_layers, base_version=base_version, since=at
             )
             self.journal.append([_move_event(ev.BEGIN, move, at)])
             self.pending = move
@@ -277,7 +278,8 @@ class LayoutRecord:
         """
         with self._lock:
             try:
-                move, new_row_jsons = rules.check_commit(self, engine_id, rows)
+                valid_id = self._engine_ids(engine_id)
+                move, new_row_jsons = rules.check_commit(self, valid_id, rows)
             except RequestRefused as exc:
                 self._refuse("commit", engine_id, exc)
             row_jsons = list(self._known_rows())
@@ -299,12 +301,12 @@ class LayoutRecord:
         """Replay a commit known by its layers and recorded digest (its rows need not be held).
 
         The same rules as ``commit`` except the rows' own validation and digest, which
-        ``verify`` checks against the rows wherever they are held. The map becomes unknown
-        until ``restore_map``.
+        ``verify`` checks against the rows wherever they are held. From here on the record
+        knows its map by the digest only (``state_with`` takes the map read from the rows).
         """
         with self._lock:
             try:
-                move = rules.check_recorded_commit(self, engine_id, layers)
+                move = rules.check_recorded_commit(self, self._engine_ids(engine_id), layers)
             except RequestRefused as exc:
                 self._refuse("commit", engine_id, exc)
             return self._committed(move, digest, None, None)
@@ -332,21 +334,11 @@ class LayoutRecord:
             self.content = self.content.updated(fingerprints)
         return new_version, digest
 
-    def restore_map(self, row_jsons: Sequence[str]) -> None:
-        """Know the map again (a replay past pruned rows); it must give the current digest."""
-        with self._lock:
-            digest = digest_of_row_jsons(row_jsons)
-            if digest != self.digest:
-                raise LedgerError(
-                    f"the rows of version {self.version} give digest {digest[:12]}, not the "
-                    f"recorded {self.digest[:12]}"
-                )
-            self._row_jsons = list(row_jsons)
-
     def abort(self, engine_id: Any) -> None:
+        """End the engine's pending move without a new version."""
         with self._lock:
             try:
-                move = rules.check_abort(self, engine_id)
+                move = rules.check_abort(self, self._engine_ids(engine_id))
             except RequestRefused as exc:
                 self._refuse("abort", engine_id, exc)
             self.journal.append([_move_event(ev.ABORT, move, self._clock())])
@@ -355,10 +347,11 @@ class LayoutRecord:
     def fetch(self, field: Any) -> rules.FetchVerdict:
         """The fetch_state check; a served non-following fetch disables moves until restart."""
         with self._lock:
+            named = field.get("engine_id") if isinstance(field, dict) else None
             try:
-                verdict = rules.check_fetch(self, field)
+                valid_id = None if named is None else self._engine_ids(named)
+                verdict = rules.check_fetch(self, field, valid_id)
             except RequestRefused as exc:
-                named = field.get("engine_id") if isinstance(field, dict) else None
                 self._refuse("fetch", named, exc)
             if not verdict.following:
                 self.journal.append(
@@ -422,8 +415,9 @@ class LayoutRecord:
             return self.dirty
 
     def content_check(self, fingerprints_of: Fingerprinter) -> ContentState:
-        """Compare the slots' fingerprints now with the record (but the layers a move is
-        changing); content that moved without a commit marks a clean daemon dirty."""
+        """Compare the slots' fingerprints now with the record (but the layers of a pending
+        move, or of the unfinished move a daemon is dirty for); content that moved without a
+        commit marks a clean daemon dirty."""
         if self.content is None:
             raise NoContentRecord(rules.NO_CONTENT_RECORD)
         current = self._fingerprints_now(fingerprints_of)
@@ -450,6 +444,11 @@ class LayoutRecord:
     ) -> tuple[int, str]:
         """Record the layout the dirty move's layers hold (checked against this daemon's own
         fingerprints now, ``fingerprints_of``) as a new version, and clear the dirty mark."""
+        with self._lock:  # the engine id first: an id refused alone costs no fingerprinting
+            try:
+                valid_id = self._engine_ids(engine_id)
+            except RequestRefused as exc:
+                self._refuse("repair", engine_id, exc)
         current = None
         if self.content is not None and fingerprints_of is not None:
             current = self._fingerprints_now(fingerprints_of)
@@ -459,7 +458,7 @@ class LayoutRecord:
                 content = rules.DaemonContent(self.content, current, self.known)
             try:
                 move, valid_rows, claimed = rules.check_repair(
-                    self, engine_id, rows, fingerprints, content
+                    self, valid_id, rows, fingerprints, content
                 )
             except RequestRefused as exc:
                 self._refuse("repair", engine_id, exc)
@@ -468,7 +467,7 @@ class LayoutRecord:
             for layer, text in new_row_jsons.items():
                 row_jsons[layer] = text
             digest = digest_of_row_jsons(row_jsons)
-            repairer = dataclasses.replace(move, engine_id=engine_id)
+            repairer = dataclasses.replace(move, engine_id=valid_id)
             result = self._committed(
                 repairer, digest, new_row_jsons, row_jsons, fingerprints=claimed, kind=ev.REPAIR
             )
@@ -482,10 +481,11 @@ class LayoutRecord:
         """Replay a repair known by its layers and recorded digest (as ``commit_recorded``)."""
         with self._lock:
             try:
-                move = rules.check_recorded_repair(self, engine_id, layers)
+                valid_id = self._engine_ids(engine_id)
+                move = rules.check_recorded_repair(self, valid_id, layers)
             except RequestRefused as exc:
                 self._refuse("repair", engine_id, exc)
-            repairer = dataclasses.replace(move, engine_id=engine_id)
+            repairer = dataclasses.replace(move, engine_id=valid_id)
             result = self._committed(repairer, digest, None, None, kind=ev.REPAIR)
             self.dirty = None
             return result
@@ -514,22 +514,22 @@ class LayoutRecord:
             )
 
     def _learn(self, the_map: Map, local: LocalFingerprints) -> None:
-        for layer, fingerprints in local.layers.items():
-            self.known.learn_slots(layer, the_map[layer], fingerprints, local.first_slot)
+        for layer in local.layers:
+            self.known.learn_slots(layer, the_map[layer], local)
 
     def shut_down(self) -> str:
         """The daemon stops: end the incarnation, dirty if the layout is unknown or in flux."""
         with self._lock:
-            state = "dirty" if (self.dirty or self.pending) else "clean"
+            end_state = "dirty" if (self.dirty or self.pending) else "clean"
             reason = END_SHUTDOWN
             if self.pending is not None:
                 reason += f" while a move of engine {self.pending.engine_id!r} was pending"
-            return self._end(state, reason)
+            return self._end(end_state, reason)
 
     def end_found_unended(self, at: str | None = None) -> str:
         """A later daemon start found this incarnation unended: its process died."""
         with self._lock:
-            state = "dirty" if self.dirty is not None else "unknown"
+            end_state = "dirty" if self.dirty is not None else "unknown"
             reason = END_FOUND_UNENDED
             if self.pending is not None:
                 pending = self.pending
@@ -537,16 +537,17 @@ class LayoutRecord:
                     f"; a move was pending (engine {pending.engine_id!r}, layers "
                     f"{list(pending.layers)}, from version {pending.base_version})"
                 )
-            return self._end(state, reason, at)
+            return self._end(end_state, reason, at)
 
-    def _end(self, state: str, reason: str, at: str | None = None) -> str:
+    def _end(self, end_state: str, reason: str, at: str | None = None) -> str:
+        """Append the end event (its reason starts with the end state) and stop."""
         if self.end_state is not None:
             raise LedgerError(f"incarnation {self.incarnation_id} has already ended")
-        event = ev.Event(at=at or self._clock(), kind=ev.END, reason=f"{state}: {reason}")
+        event = ev.Event(at=at or self._clock(), kind=ev.END, reason=f"{end_state}: {reason}")
         self.journal.append([event])
-        self.end_state = state
+        self.end_state = end_state
         self._attached.clear()
-        return state
+        return end_state
 
     # --- refusals -------------------------------------------------------------------------
 
@@ -570,16 +571,8 @@ class LayoutRecord:
             ]
         )
 
-    def check_request_engine_id(self, verb: str, engine_id: Any) -> None:
-        """Refuse a request whose engine id ``rules.check_request_engine_id`` refuses."""
-        with self._lock:
-            try:
-                rules.check_request_engine_id(engine_id)
-            except RequestRefused as exc:
-                self._refuse(verb, engine_id, exc)
-
     def _refuse(self, verb: str, engine_id: Any, exc: LedgerError) -> NoReturn:
-        """Record the refusal's one event, then raise it (a failed record is only logged).
+        """Append the refusal's one event, then raise it (an append that fails is only logged).
 
         The event names the engine only by an id a request may name (``rules``).
         """
@@ -593,7 +586,7 @@ class LayoutRecord:
 
 
 def _move_event(kind: str, move: PendingMove, at: str, **fields: Any) -> ev.Event:
-    """The event of one step of ``move`` (begin, commit, abort, dirty)."""
+    """The event of one step of ``move`` (begin, commit, abort, dirty, repair)."""
     return ev.Event(
         at=at,
         kind=kind,

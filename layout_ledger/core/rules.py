@@ -1,11 +1,12 @@
-"""The protocol's rules, one function per request, each raising the refusal it names.
+"""The protocol's rules, one pure function per request, each raising the refusal it names.
 
-Every function is pure: it reads a state view and the request's fields and either returns the
-validated input or raises. ``LayoutRecord`` calls them under its lock before it writes anything,
-so a refused request can never change the record.
-
-Order inside ``check_begin`` follows docs/protocol.md: "A begin that would be refused is
-refused, never busy", so every permanent refusal is checked before the two busy conditions.
+``LayoutRecord`` calls them under its lock before it writes anything, so a refused request can
+never change the record; it checks the engine id a request names first, once
+(``check_request_engine_id``; a replay, ``check_engine_id``). ``check_begin`` checks every
+permanent refusal before its two busy conditions ("a begin that would be refused is refused,
+never busy", docs/protocol.md). A repair is accepted only at a daemon dirty because an engine
+left mid-move, from an attached engine, when every fingerprint it names is what the daemon's
+own slots show now and its rows name what the slots hold (``check_repair``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ FETCH_UNATTACHED = "fetch with a matching layout from an engine with no live att
 
 
 class StateView(Protocol):
+    """What the rules read of a record (``LayoutRecord`` is one)."""
+
     @property
     def geometry(self) -> Geometry: ...
     @property
@@ -66,8 +69,8 @@ class StateView(Protocol):
 def check_engine_id(engine_id: Any) -> str:
     """An engine id is a non-empty string of at most ``MAX_ENGINE_ID`` characters.
 
-    Every transition applies it, a replayed one too. A request's id must also be printable
-    text (``check_request_engine_id``).
+    Every transition that names an engine applies it, a replayed one too. A request's id must
+    also be printable text (``check_request_engine_id``).
     """
     if not isinstance(engine_id, str) or not engine_id:
         raise errors.InvalidRequest(
@@ -88,8 +91,9 @@ def check_request_engine_id(engine_id: Any) -> str:
     space), surrogate, private-use or unassigned character. Ids travel into the ledger, the
     daemon's log and the operator's terminal, where a newline or an escape sequence would let
     an id forge output. The record applies this to every request that names an engine (attach,
-    begin, commit, abort, fetch), before its transition; a replay runs the transitions on the
-    stored ids as they are, leaving their text to ``verify`` as it leaves every stored text.
+    begin, commit, abort, fetch, repair), first; a replay runs the transitions on the stored
+    ids with ``check_engine_id`` only, leaving their text to ``verify`` as it leaves every
+    stored text.
     """
     valid_id = check_engine_id(engine_id)
     if not valid_id.isprintable():
@@ -117,21 +121,19 @@ def recordable_engine_id(engine_id: Any) -> str | None:
         return None
 
 
-def check_attach(state: StateView, engine_id: Any) -> str:
-    valid_id = check_engine_id(engine_id)
-    if valid_id in state.attached:
+def check_attach(state: StateView, engine_id: str) -> None:
+    """An engine attaches once per engine start."""
+    if engine_id in state.attached:
         raise errors.EngineAlreadyAttached(
-            f"engine {valid_id!r} is already attached to this daemon; every engine start needs "
+            f"engine {engine_id!r} is already attached to this daemon; every engine start needs "
             f"a new engine_id (is an older instance of this engine still exiting?)"
         )
-    return valid_id
 
 
 def check_begin(
-    state: StateView, engine_id: Any, base_version: Any, layers: Any
+    state: StateView, engine_id: str, base_version: Any, layers: Any
 ) -> tuple[int, ...]:
     """Return the validated, sorted layers, or raise ``RequestRefused`` / ``MoveBusy``."""
-    engine_id = check_engine_id(engine_id)
     if state.dirty is not None:
         raise errors.LayoutDirty(f"this daemon's expert layout is unknown: {state.dirty.reason}")
     if engine_id not in state.attached:
@@ -186,28 +188,28 @@ def _own_pending(state: StateView, engine_id: str, verb: str) -> PendingMove:
     return pending
 
 
-def check_commit(state: StateView, engine_id: Any, rows: Any) -> tuple[PendingMove, dict[int, str]]:
+def check_commit(state: StateView, engine_id: str, rows: Any) -> tuple[PendingMove, dict[int, str]]:
     """The pending move and each valid row's compact JSON text (what the ledger stores)."""
     pending = _committer(state, engine_id)
     return pending, validate_rows_json(rows, pending.layers, state.geometry)
 
 
-def check_recorded_commit(state: StateView, engine_id: Any, layers: Any) -> PendingMove:
+def check_recorded_commit(state: StateView, engine_id: str, layers: Any) -> PendingMove:
     """``check_commit`` for a commit known by its layers alone (a replay of a ledger's history)."""
     pending = _committer(state, engine_id)
     check_row_layers(layers, pending.layers)
     return pending
 
 
-def _committer(state: StateView, engine_id: Any) -> PendingMove:
-    engine_id = check_engine_id(engine_id)
+def _committer(state: StateView, engine_id: str) -> PendingMove:
     if state.dirty is not None:
         raise errors.LayoutDirty(f"this daemon's expert layout is unknown: {state.dirty.reason}")
     return _own_pending(state, engine_id, "commit")
 
 
-def check_abort(state: StateView, engine_id: Any) -> PendingMove:
-    return _own_pending(state, check_engine_id(engine_id), "abort")
+def check_abort(state: StateView, engine_id: str) -> PendingMove:
+    """The engine's own pending move, which an abort ends."""
+    return _own_pending(state, engine_id, "abort")
 
 
 @dataclass(frozen=True)
@@ -219,8 +221,10 @@ class FetchVerdict:
     reason: str
 
 
-def check_fetch(state: StateView, field: Any) -> FetchVerdict:
-    """The ``fetch_state`` layout check: serve (following or not) or raise ``RequestRefused``."""
+def check_fetch(state: StateView, field: Any, engine_id: str | None) -> FetchVerdict:
+    """The ``fetch_state`` layout check: serve (following or not) or raise ``RequestRefused``.
+
+    ``engine_id``: the one ``field`` names, checked (None: it names none)."""
     if state.dirty is not None:
         raise errors.LayoutDirty(
             f"this daemon's expert layout is unknown, so its weights cannot be served: "
@@ -245,9 +249,6 @@ def check_fetch(state: StateView, field: Any) -> FetchVerdict:
             f"expert_layout must be a dict with engine_id, version and digest, got "
             f"{type(field).__name__}"
         )
-    engine_id = field.get("engine_id")
-    if engine_id is not None:
-        engine_id = check_engine_id(engine_id)
     digest = field.get("digest")
     version = field.get("version")
     if not isinstance(digest, str):
@@ -287,10 +288,9 @@ def committed_content_problems(
     """After a move: each moved slot must hold the expert its new row names, as far as this
     daemon knows that expert's content (an expert it never held is learned, not checked)."""
     found: dict[int, str] = {}
-    for layer, fingerprints in sorted(local.layers.items()):
+    for layer in sorted(local.layers):
         texts = []
-        for index, fingerprint in enumerate(fingerprints):
-            slot = local.first_slot + index
+        for slot, fingerprint in local.slots(layer):
             named = int(physical_to_logical_map[layer][slot])
             held = known.identify(layer, fingerprint)
             expected = known.fingerprint_of(layer, named)
@@ -305,9 +305,9 @@ def committed_content_problems(
 def _repaired_layer_problems(
     layer: int, row: Sequence[int], local: LocalFingerprints, known: ExpertContents
 ) -> list[str]:
+    """What a repaired layer's slots hold that its new ``row`` does not name, in words."""
     problems = []
-    for index, fingerprint in enumerate(local.layers[layer]):
-        slot = local.first_slot + index
+    for slot, fingerprint in local.slots(layer):
         named = int(row[slot])
         held = known.identify(layer, fingerprint)
         expected = known.fingerprint_of(layer, named)
@@ -331,11 +331,16 @@ class DaemonContent:
 
 
 def check_repair(
-    state: StateView, engine_id: Any, rows: Any, fingerprints: Any, content: DaemonContent | None
+    state: StateView, engine_id: str, rows: Any, fingerprints: Any, content: DaemonContent | None
 ) -> tuple[PendingMove, dict[int, list[int]], LocalFingerprints]:
     """A repair: the dirty move's layers, rows and fingerprints the daemon's own content shows.
 
-    Returns the dirty move, the validated rows and the fingerprints; raises ``RequestRefused``.
+    In order: an attached engine, at a daemon dirty because an engine left mid-move (no other
+    cause); a daemon that records slot fingerprints (``content``, None when it records none);
+    valid rows of exactly the move's layers; for each of those layers with fingerprints, every
+    fingerprint the repair names equal to the one the daemon's slot shows now; no slot outside
+    them changed since the record; and rows that name the expert each slot holds. Returns the
+    dirty move, the validated rows and the fingerprints; raises ``RequestRefused``.
     """
     move = _repairable(state, engine_id)
     if content is None:
@@ -345,12 +350,12 @@ def check_repair(
     first, count = content.recorded.first_slot, _local_slot_count(content.recorded)
     claimed = fingerprints_from_wire(fingerprints, fingerprinted, first, count)
     for layer in fingerprinted:
-        for index, (said, found) in enumerate(
-            zip(claimed.layers[layer], content.current.layers[layer], strict=True)
+        for (slot, said), found in zip(
+            claimed.slots(layer), content.current.layers[layer], strict=True
         ):
             if said != found:
                 raise errors.ContentMismatch(
-                    f"layer {layer} slot {first + index}: the repair says {short(said)}... but "
+                    f"layer {layer} slot {slot}: the repair says {short(said)}... but "
                     f"this daemon's slot holds {short(found)}...; the content changed, or the "
                     f"engine read other weights"
                 )
@@ -374,15 +379,16 @@ def check_repair(
     return move, valid_rows, claimed
 
 
-def check_recorded_repair(state: StateView, engine_id: Any, layers: Any) -> PendingMove:
+def check_recorded_repair(state: StateView, engine_id: str, layers: Any) -> PendingMove:
     """``check_repair`` for a repair known by its layers alone (a replay of a ledger's history)."""
     move = _repairable(state, engine_id)
     check_row_layers(layers, move.layers)
     return move
 
 
-def _repairable(state: StateView, engine_id: Any) -> PendingMove:
-    engine_id = check_engine_id(engine_id)
+def _repairable(state: StateView, engine_id: str) -> PendingMove:
+    """The move a repair may record: the one an engine left unfinished (the only repairable
+    dirty mark), repaired by an attached engine."""
     if engine_id not in state.attached:
         raise errors.EngineNotAttached(
             f"engine {engine_id!r} is not attached; attach before repairing the layout"

@@ -5,14 +5,6 @@ all-gather them, and ``decide`` turns the same list into the same verdict on eve
 the daemons' layout, keep the engine's initial one, or fail on every rank with the reason. It is
 in the core so that ``layout-ledger fleet`` reaches the engine's own verdict from the ledgers,
 without sglang. Pure: no sglang, no torch, no I/O.
-
-1. any daemon dirty, any move still pending after the wait, any rank that could not read its
-   daemon: fail;
-2. recording daemons that disagree on version or digest: fail;
-3. every daemon keeps a record, all at one version and digest: adopt that map;
-4. some daemons keep no record (an older daemon, one without ``--enable-eplb``, no daemon):
-   keep the initial layout if every recording daemon still holds it at version 0, else fail;
-5. no daemon keeps a record: keep the initial layout.
 """
 
 from __future__ import annotations
@@ -24,8 +16,6 @@ from typing import Any, Protocol
 
 from layout_ledger.core.layout import Map, layout_digest
 from layout_ledger.core.state import PendingMove
-
-# ================================================================ startup ====================
 
 # Appended to every failure: what the operator does next.
 _RESTART_HINT = (
@@ -105,7 +95,16 @@ Decision = AdoptLayout | KeepInitialLayout | FailStartup
 
 
 def decide(findings: Sequence[RankFinding]) -> Decision:
-    """The one decision for these findings (any order; the result depends only on the set)."""
+    """The one decision for these findings (any order; the result depends only on the set).
+
+    1. any daemon dirty, any move still pending after the wait, any rank that could not read
+       its daemon: fail;
+    2. recording daemons that disagree on version or digest: fail;
+    3. every daemon keeps a record, all at one version and digest: adopt that map;
+    4. some daemons keep no record (an older daemon, one without ``--enable-eplb``, no daemon):
+       keep the initial layout if every recording daemon still holds it at version 0, else fail;
+    5. no daemon keeps a record: keep the initial layout.
+    """
     if not findings:
         raise ValueError("decide() needs the finding of at least one rank")
     ordered = sorted(findings, key=lambda f: f.rank)

@@ -2,7 +2,8 @@
 
 ``LayoutState`` is what a record holds (``LayoutRecord.state()``); its wire form is
 ``wire.protocol.LayoutView``. ``PendingMove`` is a begun move, ``DirtyMark`` why the layout is
-unknown, ``ContentState`` what a content check found.
+unknown, ``ContentState`` what a content check found. Plain frozen values, so the rules, the
+wire and the history package share them without importing the record.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class ContentFinding:
 @dataclass(frozen=True)
 class DirtyMark:
     """Why the layout is unknown: the move that was pending when its engine left (``move``), or
-    slot content that does not match the record (``content``)."""
+    slot content that does not match the record (``content``). Only the first can be repaired
+    (``rules.check_repair``)."""
 
     move: PendingMove | None
     at: str
@@ -68,11 +70,6 @@ class DirtyMark:
         if self.content is not None:
             return self.content.reason
         return "the layout is unknown"
-
-    @property
-    def repairable(self) -> bool:
-        """An engine left mid-move: the slots may hold whole experts in another layout."""
-        return self.move is not None
 
     @property
     def engine_id(self) -> str | None:
@@ -93,7 +90,7 @@ class DirtyMark:
 
 @dataclass(frozen=True)
 class LayoutState:
-    """One consistent snapshot of a daemon's record."""
+    """What a daemon's record holds at one moment (live, or derived by a replay)."""
 
     incarnation_id: int
     geometry: Geometry
@@ -125,5 +122,6 @@ class ContentState:
 
     @property
     def dirty_move(self) -> PendingMove | None:
-        """The unfinished move of an engine that left mid-move (the one cause a repair clears)."""
+        """The unfinished move of an engine that left mid-move (the one cause a repair clears,
+        ``rules.check_repair``)."""
         return None if self.state.dirty is None else self.state.dirty.move

@@ -1,1 +1,1 @@
-"""Reading a ledger's history: the reader, version walks, verify's checks, overviews, liveness."""
+"""Reading a ledger for the tools: the reader, verify's checks, overviews, daemon liveness."""

@@ -1,25 +1,9 @@
 """``verify``'s checks: is the file intact, and do its rows, versions and events agree?
 
-Checks, in order, inside one read transaction (a consistent snapshot while a daemon writes):
-
-- ``integrity_check``: SQLite's ``PRAGMA integrity_check``; ``foreign_key_check`` likewise.
-- per incarnation, ``version_chain``: its versions are 0..current without a gap.
-- per incarnation, ``digests``: the initial map gives the initial digest, which version 0
-  records; every held version (from the reconstructible floor) rebuilt from the rows gives
-  the digest its versions row records, and its rows are exactly the layers it lists.
-- per incarnation, ``events``: the stored events, replayed through the daemon's own rules
-  (``layout_ledger.store.replay``), are exactly what the daemon would have written: it starts with
-  ``start``; every transition is one the rules allow at that point (a commit needs its begin,
-  same engine, layers and base, and names the next version with that version's digest; a
-  ``dirty`` mark follows its engine's detach during its pending move, and only then; no begin
-  while dirty, after a non-following fetch or beside another engine; ...); after ``end`` only
-  ``prune``; every version has a commit; and the incarnation row's end state is its events'.
-
-- last, ``chain``: every event's chain value recomputed from the one before it and its own
-  fields (``layout_ledger.store.chain``), which also catches an edit that leaves a history the rules
-  allow; the head it reaches is printed, to compare with the daemon's log.
-
-Each check reports its first inconsistency; the report names the first of all of them.
+``collect_verify`` runs them all inside one read transaction (one SQLite snapshot, consistent
+while a daemon writes): SQLite's own checks, then per incarnation its version chain, its
+digests and its events replayed through the daemon's own rules, and last the events' hash
+chain. Each check reports its first inconsistency; the report names the first of all of them.
 """
 
 from __future__ import annotations
@@ -204,6 +188,25 @@ _INCARNATION_CHECKS: tuple[tuple[str, Callable[[Connection, Incarnation], str]],
 
 
 def collect_verify(ledger: LedgerReader) -> VerifyReport:
+    """Every check, in order:
+
+    - ``integrity_check``: SQLite's ``PRAGMA integrity_check``; ``foreign_key_check`` likewise.
+    - per incarnation, ``version_chain``: its versions are 0..current without a gap.
+    - per incarnation, ``digests``: the initial map gives the initial digest, which version 0
+      records; every held version (from the reconstructible floor) rebuilt from the rows gives
+      the digest its versions row records, and its rows are exactly the layers it lists.
+    - per incarnation, ``events``: the stored events, replayed through the daemon's own rules
+      (``store.replay``), are exactly what the daemon would have written: it starts with
+      ``start``; every transition is one the rules allow at that point (a commit needs its
+      begin, same engine, layers and base, and names the next version with that version's
+      digest; a ``dirty`` mark follows its engine's detach during its pending move, and only
+      then; no begin while dirty, after a non-following fetch or beside another engine; ...);
+      after ``end`` only ``prune``; every version has a commit; and the incarnation row's end
+      state is its events'.
+    - last, ``chain``: every event's chain value recomputed from the one before it and its own
+      fields (``store.chain``), which also catches an edit that leaves a history the rules
+      allow; the head it reaches is printed, to compare with the daemon's log.
+    """
     results = []
     with ledger.connect() as conn:
         revision = file_revision(conn)

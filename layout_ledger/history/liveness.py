@@ -1,20 +1,9 @@
 """Is the daemon that wrote an incarnation still running?
 
-The daemon that owns a ledger holds its writer lock for its whole life, and the kernel drops
-it however the daemon dies (``storage.WriterLock``). So for the latest incarnation, not yet
-ended, the lock says it: held means running, free means the daemon is gone (SIGKILL, a crash:
-no clean end was recorded). The lock is probed without being taken
-(``storage.writer_lock_held``), so asking never disturbs the daemon.
-
-The lock's holder writes its pid beside the ledger (``<ledger>.lock``): a lock held by another
-process than the one the incarnation recorded (``layout-ledger prune`` or ``upgrade``, which
-only take the lock while no daemon holds it) is not its daemon running.
-
-The probe sees only this machine's locks. It cannot answer, and the answer is "unknown"
-(``alive`` None), for an incarnation recorded on another host (a ledger read over shared
-storage), for a file on read-only media (an evidence copy: nobody could own it for writing),
-or when the file cannot be opened for the probe. An ended incarnation, or one a later
-incarnation followed, is not running.
+The daemon that owns a ledger holds its writer lock for its whole life, and the kernel drops it
+however the daemon dies (``store.connections.WriterLock``). So for the latest incarnation, not
+yet ended, the lock says it, probed without being taken (``writer_lock_held``), so asking never
+disturbs the daemon. Where this machine cannot tell, the answer is "unknown" (``daemon_liveness``).
 """
 
 from __future__ import annotations
@@ -35,13 +24,6 @@ class Liveness:
     alive: bool | None
     detail: str
 
-    @property
-    def word(self) -> str:
-        """``running``, ``not running`` or ``unknown`` (a table cell)."""
-        if self.alive is None:
-            return "unknown"
-        return "running" if self.alive else "not running"
-
 
 NO_CLEAN_END = "not running, no clean end recorded"
 
@@ -54,7 +36,15 @@ def daemon_liveness(
     this_host: str | None = None,
 ) -> Liveness:
     """Whether the daemon of ``inc`` (an incarnation of the ledger at ``path``) is running;
-    ``latest`` says whether it is the ledger's newest incarnation."""
+    ``latest`` says whether it is the ledger's newest incarnation.
+
+    An ended incarnation, or one a later incarnation followed, is not running. The probe sees
+    only this machine's locks: unknown (``alive`` None) for an incarnation recorded on another
+    host (a ledger read over shared storage), a file on read-only media (an evidence copy no
+    daemon owns), or a file the probe cannot open. A lock held by another process than the
+    recorded daemon (``layout-ledger prune`` or ``upgrade``, which take it only while no daemon
+    does; the holder's pid is in ``<ledger>.lock``) is not its daemon running.
+    """
     if inc.ended_at is not None:
         return Liveness(False, f"not running, ended {inc.end_state}")
     if not latest:

@@ -48,6 +48,7 @@ class LedgerReader:
             raise LedgerStorageError(f"reading ledger {self.path} failed: {message}") from exc
 
     def state(self, incarnation_id: int | None = None) -> LayoutState:
+        """An incarnation's state (the latest when None), replayed from its rows."""
         with self.connect() as conn:
             return read_state(conn, incarnation_id)
 

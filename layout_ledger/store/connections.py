@@ -1,19 +1,10 @@
 """Opening a ledger file: the one-writer lock, and SQLite connections for a writer or a reader.
 
-Before SQLite opens anything, ``layout_ledger.store.files`` checks the ledger and every companion
-file beside it. Writers: WAL journal, ``synchronous=FULL`` (a commit is on disk when it
-returns), foreign keys, a busy timeout, and ``BEGIN IMMEDIATE`` so a writer takes the write
-lock when its transaction starts instead of failing half-way through it. New files are created
-mode 0600, and looser modes are tightened. Exactly one writer process per ledger *file*: it
-holds an exclusive open-file-description lock (``F_OFD_SETLK``) on the ledger's own inode, so
-the rule holds whatever path names the file (a hard link, a bind mount), the kernel releases it
-however the process dies, SQLite's own locks never touch it, and ``writer_lock_held`` can see it
-without taking it. The holder writes who it is into ``<ledger>.lock`` for error messages.
-
-Readers open the file read-only (``mode=ro``) and never block the writer; WAL lets any number
-of them (engines, the CLI, the ``sqlite3`` shell) read while the daemon writes. On read-only
-media (a mounted evidence copy) a reader uses SQLite's ``immutable`` mode when no WAL content
-is present, else a private in-memory copy of the file and its WAL.
+Every opener goes through here after ``store.files`` checked the file and its companions. A
+writer (``open_writer``) holds an exclusive open-file-description lock on the ledger's inode
+(``WriterLock``: one writer per file whatever path names it, released by the kernel however the
+process dies) and runs WAL mode, ``synchronous=FULL`` and ``BEGIN IMMEDIATE``; a reader
+(``open_reader_engine``) opens ``mode=ro`` and never blocks the writer, also on read-only media.
 """
 
 from __future__ import annotations
@@ -47,6 +38,7 @@ JOURNAL_SIZE_LIMIT = 8 * 1024 * 1024
 
 
 def lock_path_for(path: Path) -> Path:
+    """The writer lock holder's note beside the ledger (``<ledger>.lock``)."""
     return files.companion(path, ".lock")
 
 
@@ -82,7 +74,12 @@ def _ofd(fd: int, command: int, lock_type: int) -> int:
 
 
 class WriterLock:
-    """The exclusive, kernel-released claim of one process on one ledger file for writing."""
+    """The exclusive, kernel-released claim of one process on one ledger file for writing.
+
+    An ``F_OFD_SETLK`` lock on one byte of the ledger's own inode: it holds whatever path names
+    the file (a bind mount), SQLite's own locks never touch it, and ``writer_lock_held`` sees it
+    without taking it. The holder writes who it is into ``<ledger>.lock`` for error messages.
+    """
 
     def __init__(self, ledger_path: Path) -> None:
         self.path = lock_path_for(ledger_path)
@@ -284,7 +281,12 @@ def _check_ledger_or_empty(path: Path) -> None:
 
 
 def open_reader_engine(path: Path) -> Engine:
-    """A read-only engine; never creates or modifies the file or anything beside it."""
+    """A read-only engine; never creates or modifies the file or anything beside it.
+
+    WAL lets any number of readers (engines, the CLI, the ``sqlite3`` shell) read while the
+    daemon writes. On read-only media, where SQLite cannot create the ``-shm`` a WAL reader
+    needs, it uses SQLite's ``immutable`` mode when no WAL content is present, else a private
+    in-memory copy of the file and its WAL."""
     if not path.exists():
         raise LedgerFileError(f"ledger {path} does not exist")
     if not path.is_file():

@@ -43,14 +43,10 @@ class Head:
     def repeats(self, fields: tuple[object, ...]) -> bool:
         """Would a refusal with these fields be counted on this row?"""
         kind = fields[2]
-        if not isinstance(kind, str) or not _is_refusal(kind):
+        if not isinstance(kind, str) or not ev.is_refusal(kind):
             return False
         same = (0, 2, 3, 4, 5, 6, 7, 8)  # all but at, count, last_at
         return all(self.fields[i] == fields[i] for i in same)
-
-
-def _is_refusal(kind: str) -> bool:
-    return kind.endswith(ev.REFUSED_SUFFIX) or kind == ev.BEGIN_BUSY
 
 
 def fields_of(incarnation_id: int, event: ev.Event) -> tuple[object, ...]:

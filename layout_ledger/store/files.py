@@ -1,18 +1,10 @@
 """What a ledger file and its companions must be before SQLite opens anything.
 
-SQLite reads a ledger's ``-wal`` (and ``-shm``, ``-journal``) by path, beside the file, and
-trusts them: someone else's ``-wal`` in a shared directory is content injected into the ledger.
-So every opener, the daemon and every CLI command alike, checks each companion that exists
-(``companions``) before SQLite sees the file: a regular file, not a link, owned by the ledger's
-owner, with no group or other write permission; anything else is refused with a message naming
-the file and what to do.
-
-A writer also requires the ledger itself to be a regular file of its own (``check_writable``):
-not a link, owned by this process's user, one name only (SQLite keeps a WAL per *path*, so two
-names of one file can each get a WAL and lose commits), no group or other write; and it
-tightens a looser mode such as 0644 to 0600 on the ledger and its companions, with one warning
-naming the old mode (``tighten_modes``). The default ledger directory is private
-(``ensure_private_directory``).
+SQLite reads a ledger's ``-wal`` (and ``-shm``, ``-journal``) by path and trusts it, so someone
+else's ``-wal`` in a shared directory would be content injected into the ledger. Every opener
+checks each companion that exists (``check_companions``); a writer also checks the ledger itself
+(``check_writable``) and tightens looser modes to 0600 (``tighten_modes``); the default ledger
+directory is private (``ensure_private_directory``). A refusal names the file and what to do.
 """
 
 from __future__ import annotations
@@ -34,6 +26,7 @@ _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 def companion(path: Path, suffix: str) -> Path:
+    """The file beside ``path`` named ``path`` + ``suffix`` (``-wal``, ``.lock``, ...)."""
     return path.with_name(path.name + suffix)
 
 
@@ -54,7 +47,8 @@ def _lstat(path: Path) -> os.stat_result | None:
 
 
 def check_companions(path: Path, owner: int) -> None:
-    """Refuse any companion of ``path`` that SQLite must not read (see the module docstring)."""
+    """Refuse any companion of ``path`` that SQLite must not read: one that is not a regular
+    file (a link), is not ``owner``'s, or that others may write."""
     for file in companions(path):
         info = os.lstat(file)
         if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
@@ -78,7 +72,8 @@ def check_companions(path: Path, owner: int) -> None:
 
 
 def check_writable(path: Path) -> None:
-    """The ledger a writer may open (or create at ``path``); companions checked too."""
+    """The ledger a writer may open (or create at ``path``): a regular file, not a link, of
+    this process's user, one name only, that no one else may write; companions checked too."""
     info = _lstat(path)
     if info is not None:
         if stat.S_ISLNK(info.st_mode):
@@ -105,6 +100,7 @@ def check_writable(path: Path) -> None:
 
 
 def check_single_name(path: Path, info: os.stat_result) -> None:
+    """One name per ledger: SQLite keeps a WAL per path, so two names could each get one."""
     if info.st_nlink > 1:
         raise LedgerFileError(
             f"ledger {path} has {info.st_nlink} hard links. SQLite keeps a ledger's WAL beside "

@@ -1,12 +1,12 @@
 """The ledger file opened for writing by its one daemon process, and the journal it keeps.
 
-``Ledger.open(path)`` takes the file through ``storage.open_writer`` (the one-writer lock, WAL),
-upgrades an older schema and refuses a newer one. ``start_incarnation`` ends whatever
+``Ledger.open(path)`` takes the file through ``connections.open_writer`` (the one-writer lock,
+WAL), upgrades an older schema and refuses a newer one. ``start_incarnation`` ends whatever
 incarnation a killed predecessor left open (replaying its history through the record's rules to
 know how it stood), records the new one at version 0, and returns its ``LayoutRecord``, whose
-journal is a ``LedgerJournal``: every change is one SQLite transaction, durable
-(``synchronous=FULL``) before the call returns, so a daemon replies ``ok`` only to what a crash
-cannot take back.
+journal is a ``LedgerJournal``: every change is one SQLite transaction, written before the call
+returns and, for a version or an end, on disk (``synchronous=FULL``), so a daemon replies ``ok``
+only to what a crash cannot take back.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from sqlalchemy.exc import DBAPIError
 from layout_ledger.core import events as ev
 from layout_ledger.core.content import LocalFingerprints
 from layout_ledger.core.errors import DamagedRow, LedgerError, LedgerFileError, LedgerStorageError
-from layout_ledger.core.layout import Geometry, Map, validate_map
+from layout_ledger.core.layout import Geometry, Map, layout_digest, validate_map
 from layout_ledger.core.record import END_FOUND_UNENDED, LayoutRecord
 from layout_ledger.core.state import utc_now
 from layout_ledger.store import maintenance
@@ -84,6 +84,7 @@ class Ledger:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], retention: Retention | None = None) -> Ledger:
+        """Open (or create) the ledger at ``path`` for writing, with ``retention`` (defaults)."""
         return cls(Path(path), retention or Retention())
 
     # --- transactions -------------------------------------------------------------------
@@ -107,12 +108,12 @@ class Ledger:
     def _journal_transaction(self, *, synced: bool = True) -> Iterator[sqlite3.Connection]:
         """A journal append's transaction, on the driver connection (joins ``transaction``).
 
-        Every record change runs here; skipping SQLAlchemy's per-statement execution context
-        is a third of what the ledger adds to a commit over an in-memory record. A failure
-        rolls the whole transaction back and becomes a ``LedgerStorageError``. ``synced=False``
-        leaves out the WAL's fsync for this transaction (``synchronous=NORMAL``): it is written
-        before the call returns, so no daemon crash can lose it, and the next synced one (or
-        checkpoint) puts it on disk with itself.
+        Every record change runs here, on the driver: SQLAlchemy's per-statement execution
+        context would be a large share of what the ledger adds to a commit. A failure rolls the
+        whole transaction back and becomes a ``LedgerStorageError``. ``synced=False`` leaves out
+        the WAL's fsync for this transaction (``synchronous=NORMAL``): it is written before the
+        call returns, so no daemon crash can lose it, and the next synced one (or checkpoint)
+        puts it on disk with itself.
         """
         with self._lock:
             driver = self._writer.driver()
@@ -143,6 +144,7 @@ class Ledger:
                         driver.execute("PRAGMA synchronous=FULL")
 
     def journal(self, incarnation_id: int) -> LedgerJournal:
+        """The journal of one incarnation's record on this ledger."""
         return LedgerJournal(self, incarnation_id)
 
     # --- incarnations -------------------------------------------------------------------
@@ -267,33 +269,34 @@ class Ledger:
         keep_from = record.version - self.retention.keep_versions + 1
         if keep_from <= 0:
             return
-        # Read on snapshots of its own, outside the writer's lock: requests go on meanwhile.
-        snapshots = open_reader_engine(self.path)
+        # Read on a read-only connection of its own, outside the writer's lock: requests go on
+        # meanwhile.
+        reader = open_reader_engine(self.path)
         try:
-            with self._snapshot(snapshots) as conn:
+            with self._snapshot(reader) as conn:
                 floor = reconstructible_from(conn, record.incarnation_id)
             # In steps of PRUNE_STEP_VERSIONS, each its own transaction (and prune event): a step
-            # holds the writer's lock for a few milliseconds, whatever --expert-layout-prune-every.
+            # holds the writer's lock briefly, whatever --expert-layout-prune-every.
             up_to = floor
             while up_to < keep_from and not (self.maintenance and self.maintenance.stopping):
                 up_to = min(up_to + PRUNE_STEP_VERSIONS, keep_from)
-                if not self._prune_step(snapshots, record.incarnation_id, up_to):
+                if not self._prune_step(reader, record.incarnation_id, up_to):
                     return
         finally:
-            snapshots.dispose()
+            reader.dispose()
 
     @contextmanager
-    def _snapshot(self, snapshots: Engine) -> Iterator[Connection]:
-        """One read transaction on the retention's own read-only connection."""
+    def _snapshot(self, reader: Engine) -> Iterator[Connection]:
+        """One read transaction (one SQLite snapshot) on the retention's read-only engine."""
         try:
-            with snapshots.connect() as conn, conn.begin():
+            with reader.connect() as conn, conn.begin():
                 yield conn
         except DBAPIError as exc:
             raise LedgerStorageError(f"reading ledger {self.path} failed: {exc.orig}") from exc
 
-    def _prune_step(self, snapshots: Engine, incarnation_id: int, up_to: int) -> bool:
+    def _prune_step(self, reader: Engine, incarnation_id: int, up_to: int) -> bool:
         """Check the versions below ``up_to``, then prune them; False (logged) if they are wrong."""
-        with self._snapshot(snapshots) as conn:
+        with self._snapshot(reader) as conn:
             problem = unverified_below(conn, incarnation_id, up_to)
         if problem is not None:
             logger.error(
@@ -318,9 +321,9 @@ class Ledger:
         record = self.record
         if record is None:
             return None
-        state = record.shut_down()
+        end_state = record.shut_down()
         self.record = None
-        return state
+        return end_state
 
     def close(self) -> None:
         """End the live incarnation cleanly (if any), checkpoint, release the file."""
@@ -381,7 +384,7 @@ class Ledger:
 
 
 class LedgerJournal:
-    """A record's journal on its ledger: each append is one durable transaction."""
+    """A record's journal on its ledger: each append is one SQLite transaction (``append``)."""
 
     def __init__(self, ledger: Ledger, incarnation_id: int) -> None:
         self.ledger = ledger
@@ -395,9 +398,9 @@ class LedgerJournal:
     ) -> None:
         """Events (with a new version's rows and fingerprints) and an end's incarnation update.
 
-        Versions (a start's or a commit's rows) and an incarnation's end are fsynced before
-        this returns: a reply of ``ok`` to a commit means it is on disk. Every other event is
-        written (no crash of the daemon can lose it) and reaches the disk with the next
+        Versions (a start's, commit's or repair's rows) and an incarnation's end are fsynced
+        before this returns: a reply of ``ok`` to a commit means it is on disk. Every other event
+        is written (no crash of the daemon can lose it) and reaches the disk with the next
         version or checkpoint: only a machine crash, which also loses the weights in GPU memory
         and so ends the incarnation, could take the newest of them.
         """
@@ -451,8 +454,6 @@ def _insert_incarnation(
     daemon_label: str,
     origin: IncarnationOrigin,
 ) -> int:
-    from layout_ledger.core.layout import layout_digest
-
     cursor = driver.execute(
         _INSERT_INCARNATION,
         (
@@ -516,8 +517,8 @@ def _insert_fingerprints(
 
 def _mark_ended(driver: sqlite3.Connection, incarnation_id: int, end: ev.Event) -> None:
     """An end event's reason starts with the end state (``record.LayoutRecord._end``)."""
-    state = (end.reason or "").partition(":")[0]
+    end_state = (end.reason or "").partition(":")[0]
     driver.execute(
         "UPDATE incarnations SET ended_at = ?, end_state = ? WHERE incarnation_id = ?",
-        (end.at, state, incarnation_id),
+        (end.at, end_state, incarnation_id),
     )

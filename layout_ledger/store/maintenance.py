@@ -1,23 +1,9 @@
 """Keeping a daemon's ledger bounded off the request path: WAL checkpoints and retention.
 
-A commit's durability is its own fsync of the WAL; copying the WAL back into the database
-(a checkpoint) and pruning old rows are bookkeeping that must never delay a request. One
-background thread per ledger does both, woken after appends (every ``CHECKPOINT_EVERY``, sooner
-while the WAL is large, and when a prune is due):
-
-- a PASSIVE checkpoint on the thread's own connection, which runs alongside the writer and
-  never waits for anyone;
-- past ``WAL_RESTART_BYTES``, a RESTART checkpoint under the writer's own (Python) lock, so
-  that no commit is mid-flight (the next append starts the WAL from its beginning, reusing the
-  file's blocks; ``journal_size_limit`` trims what is over), with SQLite's busy timeout at 0:
-  a reader that holds an old snapshot (``sqlite3 LEDGER`` with an open ``BEGIN``) makes it give
-  up at once instead of waiting, with the writer's lock held, for the busy timeout;
-- every ``Retention.prune_every`` commits, ``Ledger.prune`` to the last ``keep_versions``.
-
-The writer connection's automatic checkpoint is off, so no commit ever pays for one. While a
-reader pins the WAL, nothing can shrink it: that is reported (``WalPin``) once when the WAL,
-unreset for ``PIN_REPORT_SECONDS``, passes ``WAL_WARN_BYTES``, again each time it doubles, and
-once when the reader lets go.
+A commit's durability is its own fsync of the WAL; copying the WAL back into the database (a
+checkpoint) and pruning old rows are bookkeeping that must never delay a request. One background
+thread per ledger (``Maintenance``) does both, woken after appends, and ``WalPin`` reports a
+reader that keeps the WAL from being reset.
 """
 
 from __future__ import annotations
@@ -33,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layout_ledger.core.errors import LedgerError, LedgerStorageError
+from layout_ledger.store import files
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +29,10 @@ WAL_WARN_BYTES = 32 * 1024 * 1024
 PIN_REPORT_SECONDS = 30.0
 # Past this size a PASSIVE checkpoint is followed by a RESTART one: under a steady stream of
 # appends a PASSIVE checkpoint rarely finishes between two of them, so the writer never
-# restarts the log (it must find every frame copied when it begins) and the file would only
+# restarts the WAL (it must find every frame copied when it begins) and the file would only
 # grow. The RESTART pass copies what the PASSIVE one left (a few appends) and makes the next
-# append start the log again. (RESTART, not TRUNCATE: truncating the file and growing it again
-# cost the next commits a few milliseconds each in the filesystem; measured p99 20 -> 9 ms.)
+# append start the WAL again. (RESTART, not TRUNCATE: truncating the file and growing it again
+# slows the next commits down in the filesystem.)
 WAL_RESTART_BYTES = 2 * 1024 * 1024
 # Wake the thread for a checkpoint every this many appends (an all-layer commit of a
 # DeepSeek-V3-sized map is ~25 WAL pages, so this keeps the WAL near SQLite's own 1000 pages),
@@ -69,12 +56,9 @@ class CheckpointResult:
         return not self.busy and self.checkpointed_frames >= self.wal_frames
 
 
-def wal_path(path: Path) -> Path:
-    return path.with_name(path.name + "-wal")
-
-
 def wal_bytes(path: Path) -> int:
-    wal = wal_path(path)
+    """The size of the ledger's ``-wal`` file now (0 when there is none)."""
+    wal = files.companion(path, "-wal")
     return wal.stat().st_size if wal.exists() else 0
 
 
@@ -111,7 +95,8 @@ class WalPin:
 
     A checkpoint that finds a reader in the WAL is not a pin by itself: short reads (``status``,
     a metrics scrape) make many fail while others succeed between them. A pin is a WAL of at
-    least ``WAL_WARN_BYTES`` that no checkpoint has managed to reset for ``PIN_REPORT_SECONDS``.
+    least ``WAL_WARN_BYTES`` that no checkpoint has managed to reset for ``PIN_REPORT_SECONDS``:
+    reported once, again each time the WAL doubles, and once when the reader lets go.
     """
 
     def __init__(self, path: Path) -> None:
@@ -147,7 +132,15 @@ class WalPin:
 
 
 class Maintenance:
-    """The background thread of one ledger; ``note_append`` after each journal append."""
+    """The background thread of one ledger; ``note_append`` after each journal append.
+
+    Woken every ``CHECKPOINT_EVERY`` appends (sooner while the WAL is large, and when a prune is
+    due), it prunes once ``prune_every`` commits have passed; runs a PASSIVE checkpoint on its
+    own connection, which never waits for anyone; and past ``WAL_RESTART_BYTES``, when that one
+    completed, a RESTART checkpoint under the writer's own (Python) lock, so that no commit is
+    mid-flight, with SQLite's busy timeout at 0 (a reader holding an old snapshot makes it give
+    up at once). The writer connection's automatic checkpoint is off, so no commit pays for one.
+    """
 
     def __init__(
         self,
@@ -227,7 +220,7 @@ class Maintenance:
                 # just above (complete: no reader holds an older snapshot) left only the frames
                 # of commits made since to copy. While a reader pins the WAL the writer's lock
                 # is never taken: with a WAL of gigabytes, even a RESTART that gives up at once
-                # held commits back by tens of milliseconds (bench_ledger (e), max 74 ms).
+                # holds commits back.
                 with self._writer_lock:
                     result = checkpoint(conn, self.path, "RESTART")
             self.pin.observe(result)

@@ -62,6 +62,7 @@ def file_revision(conn: Connection) -> str | None:
 
 
 def refuse_newer(revision: str, path: Path) -> None:
+    """Refuse a revision this code does not know (newer code wrote the file)."""
     if revision not in KNOWN_REVISIONS:
         raise SchemaTooNew(
             f"ledger {path} has schema revision {revision!r}, newer than this code knows "

@@ -1,17 +1,12 @@
 """An incarnation's state, derived by replaying its stored events through the record's own rules.
 
-Like etcd's single ``ReadAll`` loop: ``replay_incarnation`` builds a ``LayoutRecord`` from the
-incarnation's initial map whose journal is ``StoredEvents``, then turns each stored event back
-into the request that produced it (an attach, a begin, a commit known by its version's layers
-and digest, a refusal, ...) and runs that transition. The record appends exactly what the daemon
-would have appended at that point, and the journal compares it with the next stored row: a
-history the rules would not have written stops the replay with a ``ReplayMismatch`` naming the
-first event that differs. The same code therefore answers "what state is this incarnation in?"
-(``reader``, the daemon's next start) and "did the rules write this history?" (``verify``).
-
-A commit is replayed by its layers and recorded digest (``LayoutRecord.commit_recorded``), so
-pruned rows never stop a replay; ``verify``'s ``digests`` check recomputes every held version's
-digest from its rows.
+``replay_incarnation`` builds a ``LayoutRecord`` from the incarnation's initial map whose journal
+is ``StoredEvents``, turns each stored event back into the request that produced it and runs
+that transition; the journal compares what the record appends with the next stored row, and a
+history the rules would not have written stops with a ``ReplayMismatch`` naming the first event
+that differs. One loop (like etcd's ``ReadAll``) thus answers "what state is this incarnation
+in?" (the reader, the daemon's next start) and "did the rules write this history?" (``verify``).
+A commit is replayed by its layers and recorded digest, so pruned rows never stop a replay.
 """
 
 from __future__ import annotations
@@ -94,7 +89,7 @@ class StoredEvents:
             return
         for event in events:
             stored = self.peek()
-            if _is_refusal(event.kind) and (stored is None or stored.event.kind != event.kind):
+            if ev.is_refusal(event.kind) and (stored is None or stored.event.kind != event.kind):
                 return  # the rules refuse what the history accepted: the record raises why
             if stored is None:
                 raise ReplayMismatch(_missing(event))
@@ -109,7 +104,12 @@ def replay_incarnation(
     """The record of ``inc`` after its whole stored history (see the module docstring)."""
     journal = StoredEvents(_stored_events(conn, inc.incarnation_id), then, exact=exact)
     record = LayoutRecord(
-        journal, inc.incarnation_id, inc.geometry, _initial_map(conn, inc), clock=journal.clock
+        journal,
+        inc.incarnation_id,
+        inc.geometry,
+        _initial_map(conn, inc),
+        clock=journal.clock,
+        engine_ids=rules.check_engine_id,  # stored ids as they are: their text is verify's
     )
     journal.record = record
     versions = _versions(conn, inc.incarnation_id)
@@ -321,10 +321,6 @@ def _same_event(stored: ev.Event, appended: ev.Event) -> bool:
 
 def _same_transition(stored: ev.Event, appended: ev.Event) -> bool:
     return (stored.kind, *_move_of(stored)) == (appended.kind, *_move_of(appended))
-
-
-def _is_refusal(kind: str) -> bool:
-    return kind.endswith(ev.REFUSED_SUFFIX) or kind == ev.BEGIN_BUSY
 
 
 def _missing(event: ev.Event) -> str:

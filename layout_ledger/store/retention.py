@@ -29,8 +29,8 @@ from layout_ledger.store.version_walk import WalkInconsistency, check_version_di
 # full history and a ledger of a few tens of MiB.
 DEFAULT_KEEP_VERSIONS = 1000
 DEFAULT_PRUNE_EVERY = 100
-# The daemon's retention prunes at most this many versions per transaction (~7 ms of the writer's
-# lock at 58 layers x 288 slots; 100 at once held it ~31 ms).
+# The daemon's retention prunes at most this many versions per transaction, so that each step
+# holds the writer's lock briefly whatever --expert-layout-prune-every says.
 PRUNE_STEP_VERSIONS = 20
 
 
@@ -93,8 +93,8 @@ def prune_incarnation(
     # the slot fingerprints, written beside the rows, are kept the same way.
     # One index seek and one index range per layer (uq_*_layer_version) on the driver: the work
     # is the rows deleted, not the history (a correlated DELETE over every row of the
-    # incarnation held the writer's lock for ~0.1 s at 1,100 versions of 58 layers; the same
-    # statements through SQLAlchemy spent 25 ms in its execution context).
+    # incarnation grows with the history, and SQLAlchemy's execution context per statement
+    # would add to the time the writer's lock is held).
     driver = driver_of(conn)
     removed = 0
     for table in ("layout_rows", "slot_fingerprints"):

@@ -85,6 +85,7 @@ _INCARNATION_COLUMNS = (
 
 
 def incarnations(conn: Connection) -> list[Incarnation]:
+    """Every incarnation, oldest first (a row that cannot be interpreted raises ``DamagedRow``)."""
     rows = conn.execute(
         text(f"SELECT {_INCARNATION_COLUMNS} FROM incarnations ORDER BY incarnation_id")
     )
@@ -113,6 +114,7 @@ def incarnation(conn: Connection, incarnation_id: int | None = None) -> Incarnat
 
 
 def current_version(conn: Connection, incarnation_id: int) -> tuple[int, str]:
+    """The incarnation's newest version and its digest."""
     row = conn.execute(
         text(
             "SELECT version, digest FROM versions WHERE incarnation_id = :i "

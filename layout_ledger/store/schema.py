@@ -2,7 +2,7 @@
 
 The tables are append-only except ``incarnations.ended_at/end_state`` and pruning: the state a
 restarted process needs (pending move, dirty mark, non-following flag, current version and
-digest) is derived from ``events`` and ``versions`` (see ``layout_ledger.history.reader``), so a
+digest) is derived from ``events`` and ``versions`` (``layout_ledger.store.replay``), so a
 crash between any two statements can never leave a cached flag out of step with the history.
 
 Forensic views (``ledger_*``) are created by the migrations; they are the stable interface for

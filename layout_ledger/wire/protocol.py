@@ -1,18 +1,11 @@
 """The expert layout wire protocol (docs/protocol.md), defined once for the daemon and the engine.
 
-Every shape that crosses the daemon's control socket is here with its ``to_wire`` (the dict
-sglang's ``send_msg`` pickles) and, where the other side reads it back, its ``from_wire``:
-
-- the names: request types, reply statuses, the ``fetch_state`` field, the older daemon's text;
-- ``PendingMove`` and ``LayoutView`` (the ``layout`` field of ``attach`` and ``query``);
-- the requests an engine sends (``AttachRequest`` ... ``AbortRequest``, ``ContentCheckRequest``,
-  ``RepairRequest``, and ``FetchLayout``, the field its loader adds to ``fetch_state``);
-- ``ContentView``, the ``content`` field of the reply to a content check;
-- the replies: the daemon builds them with ``layout_reply``, ``ok_reply``, ``Committed`` and
-  ``refusal_reply``; the engine reads any of them with ``Reply.from_wire`` into one typed
-  ``Outcome``, so no caller matches status strings.
-
-No sglang, no torch, no I/O: the framing and the sockets belong to the callers.
+Every shape that crosses the daemon's control socket, with its ``to_wire`` (the dict sglang's
+``send_msg`` pickles) and, where the other side reads it back, its ``from_wire``: the names
+(request types, statuses, the ``fetch_state`` field), the layout and content views, the
+requests an engine sends, and the replies, which the engine reads with ``Reply.from_wire`` into
+one typed ``Outcome`` so that no caller matches status strings. No sglang, no torch, no I/O:
+the framing and the sockets belong to the callers.
 """
 
 from __future__ import annotations
@@ -415,7 +408,7 @@ def refusal_reply(status: str, reason: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Committed:
-    """The ``ok`` reply to commit: the new version and the digest of the whole new map."""
+    """The ``ok`` reply to commit and repair: the new version and the digest of the new map."""
 
     version: int
     digest: str
@@ -527,7 +520,8 @@ class Reply:
     def _read_ok(
         cls, raw: Mapping[str, Any], reason: str | None, *, request_type: str, peer: str
     ) -> Reply:
-        """An ``ok`` reply: attach and query carry a valid layout, commit a version and digest."""
+        """An ``ok`` reply: attach and query carry a valid layout, commit and repair a version and
+        digest, a content check a valid content."""
         layout = None
         if "layout" in raw:
             try:

@@ -1,19 +1,12 @@
 """The daemon side of the protocol (docs/protocol.md): request dicts in, reply dicts out.
 
-``LayoutService`` knows nothing about sockets or sglang; ``sglang_integration`` feeds it the
-requests that arrive on the daemon's control socket, keeps an attach connection open when
-``attach`` answers ``ok``, and calls ``detach`` when that connection reaches EOF.
-
-It is one table from request type to the record's transition (``TRANSITIONS``; a request that
-names an engine first has its id checked by the record, ``NAMES_ENGINE``) and one mapping
-from what a transition raises to a status. A daemon that records slot content has a
-``ContentSource`` (its own tensors, fingerprinted on their device): commits record the moved
-layers' fingerprints, the content check compares them with the record, and a repair is checked
-against them. The mapping: ``MoveBusy`` -> ``busy``, ``RequestRefused`` ->
-``refused`` (``layout_refused`` for a fetch), any other ``LedgerError`` (the ledger could not
-record the change, so it was not applied) -> ``error``. The record itself writes a refusal's one
-event. A daemon without a record answers attach and query with ``no_record`` and refuses begin,
-commit and abort.
+``LayoutService`` is one table from request type to the record's transition (``TRANSITIONS``)
+and one mapping from what a transition raises to a status: ``MoveBusy`` -> ``busy``,
+``RequestRefused`` -> ``refused`` (``layout_refused`` for a fetch), any other ``LedgerError``
+(the ledger could not record the change, so it was not applied) -> ``error``. The record checks
+every rule and writes a refusal's one event; a daemon without a record answers attach, query and
+content check with ``no_record`` and refuses the rest. No sockets, no sglang: the daemon's hooks
+feed it requests and call ``detach`` when an attach connection reaches EOF.
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from typing import Any, Protocol
 
 from layout_ledger.core.content import LocalFingerprints
 from layout_ledger.core.errors import LedgerError, MoveBusy, RequestRefused
-from layout_ledger.core.record import LayoutRecord
+from layout_ledger.core.record import EOF_DETACH, LayoutRecord
 from layout_ledger.core.rules import NO_CONTENT_RECORD
 from layout_ledger.wire import protocol as msg
 
@@ -40,7 +33,8 @@ Request = dict[str, Any]
 
 
 class ContentSource(Protocol):
-    """A daemon's own slots: their fingerprints now, on the tensors' device."""
+    """A daemon's own slots: their fingerprints now, on the tensors' device (commits, content
+    checks and repairs compare them with the record)."""
 
     def fingerprints(self, layers: Sequence[int] | None = None) -> LocalFingerprints:
         """Every layer with routed-expert tensors when ``layers`` is None."""
@@ -114,16 +108,6 @@ def _repair(record: LayoutRecord, request: Request, content: ContentSource | Non
     return msg.Committed(version, digest).to_wire()
 
 
-# The requests that name an engine, with the verb of their refusal: the record refuses an
-# engine id a request may not name (``rules.check_request_engine_id``) before the transition.
-NAMES_ENGINE = {
-    msg.ATTACH: "attach",
-    msg.BEGIN: "begin",
-    msg.COMMIT: "commit",
-    msg.ABORT: "abort",
-    msg.REPAIR: "repair",
-}
-
 Transition = Callable[[LayoutRecord, Request, "ContentSource | None"], Reply]
 
 TRANSITIONS: dict[str, Transition] = {
@@ -162,9 +146,6 @@ class LayoutService:
                 _NO_RECORD_STATUS.get(str(kind), msg.REFUSED), NO_RECORD_REASON
             )
         try:
-            verb = NAMES_ENGINE.get(str(kind))
-            if verb is not None:
-                self.record.check_request_engine_id(verb, request.get("engine_id"))
             return transition(self.record, request, self.content)
         except MoveBusy as exc:
             return msg.refusal_reply(msg.BUSY, str(exc))
@@ -182,8 +163,6 @@ class LayoutService:
             return None
         field = request.get(msg.FETCH_LAYOUT_FIELD)
         try:
-            if isinstance(field, dict) and field.get("engine_id") is not None:
-                record.check_request_engine_id("fetch", field.get("engine_id"))
             verdict = record.fetch(field)
         except RequestRefused as exc:
             logger.warning("refused a weight fetch: %s", exc)
@@ -199,7 +178,7 @@ class LayoutService:
             )
         return None
 
-    def detach(self, engine_id: str, reason: str = "attach connection closed (EOF)") -> None:
+    def detach(self, engine_id: str, reason: str = EOF_DETACH) -> None:
         """An engine's attach connection closed, however the engine exited."""
         record = self.record
         if record is None:

@@ -89,8 +89,8 @@ def expected_contents(
         recorded = LocalFingerprints(view.first_slot, view.recorded)
         if extra is not None and rank in extra:
             recorded = recorded.updated(extra[rank])
-        for layer, fingerprints in sorted(recorded.layers.items()):
-            known.learn_slots(layer, the_map[layer], fingerprints, recorded.first_slot)
+        for layer in sorted(recorded.layers):
+            known.learn_slots(layer, the_map[layer], recorded)
     if known.conflicts:
         return FailStartup(
             "the weight cache daemons recorded different contents for one expert: "
@@ -222,12 +222,10 @@ def _held_row(
     row: list[int | None] = [None] * num_slots
     problems: list[str] = []
     for rank, view in views:
-        values = view.current.get(layer)
-        if values is None:
+        if layer not in view.current:
             problems.append(f"rank {rank} shows no fingerprints of layer {layer}")
             continue
-        for index, fingerprint in enumerate(values):
-            slot = view.first_slot + index
+        for slot, fingerprint in LocalFingerprints(view.first_slot, view.current).slots(layer):
             held = known.identify(layer, fingerprint)
             if held.expert is None:
                 problems.append(f"rank {rank} layer {layer} slot {slot} holds {held.text}")
@@ -247,9 +245,8 @@ def loaded_slot_problems(
 ) -> list[str]:
     """This rank's slots that do not hold the expert ``the_map`` names (each named in words)."""
     problems = []
-    for layer, fingerprints in sorted(local.layers.items()):
-        for index, fingerprint in enumerate(fingerprints):
-            slot = local.first_slot + index
+    for layer in sorted(local.layers):
+        for slot, fingerprint in local.slots(layer):
             named = int(the_map[layer][slot])
             expected = known.fingerprint_of(layer, named)
             if expected is None or expected == fingerprint:
