@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from layout_ledger.cli.admin import prune_ledger
+from layout_ledger.cli.commands.prune import prune_ledger
 from layout_ledger.core.errors import LedgerError
 from layout_ledger.core.layout import Geometry, layout_digest, trivial_map
 from layout_ledger.history.checks import collect_verify, verify_incarnation

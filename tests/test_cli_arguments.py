@@ -7,6 +7,8 @@ import datetime
 import importlib.metadata
 import io
 import json
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -15,8 +17,8 @@ from cli_ledgers import build, execute, run_cli
 from test_cli_read import clean_history
 
 import layout_ledger
-from layout_ledger.cli import app as cli
 from layout_ledger.cli import exit_codes
+from layout_ledger.cli import parser as cli
 from layout_ledger.core.errors import LedgerError
 
 
@@ -262,6 +264,34 @@ def test_version_prints_the_tools_own_version(capsys):
 
 def test_the_packages_version_is_the_distributions():
     assert layout_ledger.__version__ == importlib.metadata.version("sglang-expert-layout-ledger")
+
+
+def _loaded_by(prefixes: tuple[str, ...], *argv: str) -> list[str]:
+    """The modules named ``prefixes*`` a fresh interpreter holds after ``layout-ledger ARGV``."""
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from layout_ledger.cli.app import main\n"
+        "quiet = io.StringIO()\n"
+        "with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):\n"
+        "    main(sys.argv[1:])\n"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({prefixes!r}))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True
+    )
+    return list(json.loads(done.stdout))
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["status", "--help"], ["nope"]])
+def test_version_help_and_a_usage_error_import_no_verb_and_no_sqlalchemy(argv):
+    assert _loaded_by(("sqlalchemy", "layout_ledger.cli.commands."), *argv) == []
+
+
+def test_a_verb_imports_its_own_module_and_no_other_verb(tmp_path):
+    missing = str(tmp_path / "missing.sqlite")
+    assert _loaded_by(("layout_ledger.cli.commands.",), "verify", missing) == [
+        "layout_ledger.cli.commands.verify"
+    ]
 
 
 def test_a_subcommands_version_option_still_names_a_ledger_version(clean, capsys):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from layout_ledger.cli import exit_codes
-from layout_ledger.cli.app import COMMANDS, EPILOG, build_parser
+from layout_ledger.cli.parser import COMMANDS, EPILOG, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_DOC = ROOT / "docs" / "cli.md"

@@ -18,7 +18,7 @@ import pytest
 from cli_ledgers import build, execute, run_cli
 
 from layout_ledger.cli import exit_codes
-from layout_ledger.cli.app import COMMANDS
+from layout_ledger.cli.parser import COMMANDS
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("layout-ledger")
 

@@ -18,7 +18,7 @@ from cli_ledgers import build, execute, run_cli
 from engine_ledgers import EngineLedgers, this_host
 
 from layout_ledger.cli import exit_codes
-from layout_ledger.cli.fleet import collect_fleet
+from layout_ledger.cli.commands.fleet import collect_fleet
 from layout_ledger.core.startup_verdict import FindingKind, decide
 from sglang_integration.testing.daemon_control import EngineStandIn, start_daemon
 

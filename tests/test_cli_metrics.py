@@ -25,7 +25,7 @@ from engine_ledgers import GEOMETRY, EngineLedgers, this_host
 from prometheus_client.parser import text_string_to_metric_families
 
 from layout_ledger.cli import exit_codes
-from layout_ledger.cli.metrics import collect_metrics, exposition
+from layout_ledger.cli.commands.metrics import collect_metrics, exposition
 from layout_ledger.core.layout import trivial_map
 from layout_ledger.history import overview as snapshot
 from layout_ledger.store.ledger import Ledger

@@ -8,7 +8,7 @@ import pytest
 from cli_ledgers import MOVES, build, map_after, run_cli
 
 from layout_ledger.cli import exit_codes
-from layout_ledger.cli.report import collect_diff
+from layout_ledger.cli.commands.diff import collect_diff
 from layout_ledger.core.layout import layout_digest
 from layout_ledger.history.reader import LedgerReader
 

@@ -25,7 +25,7 @@ from cli_ledgers import MOVES, build, map_after, run_cli
 from test_updater_shared_experts import write_tiny_moe_config
 
 from layout_ledger.cli import exit_codes
-from layout_ledger.cli.report import format_physical_to_logical_map
+from layout_ledger.cli.commands.show import format_physical_to_logical_map
 from layout_ledger.history.reader import LedgerReader
 from sglang_integration.testing.sglang_env import QUIET_SGLANG_ENV
 

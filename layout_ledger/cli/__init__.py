@@ -1,4 +1,5 @@
-"""The ``layout-ledger`` command line: argument parsing, one module per verb, output helpers.
+"""The ``layout-ledger`` command line: ``parser`` (the arguments), ``app`` (dispatch and exit
+codes), ``commands/`` (one module per verb), and the output helpers beside them.
 
 Import-light on purpose: the console script imports this package before it knows which verb
 runs, so nothing is imported here; ``main`` imports the application when it is called.

@@ -1,4 +1,4 @@
-"""``--layers 0,3,5-7``: kept as ranges until the ledger's layer count is known.
+"""Layers as ranges: ``--layers 0,3,5-7`` in, ``0-2,5,7-8`` out.
 
 A range is checked against the ledger's geometry before it is expanded, so ``0-1000000000`` is
 one error line, not a list of a billion layers.
@@ -6,9 +6,11 @@ one error line, not a list of a billion layers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from layout_ledger.core.errors import LedgerError
+from layout_ledger.core.layout import Geometry
 
 
 @dataclass(frozen=True)
@@ -50,3 +52,25 @@ class LayerRanges:
         for low, high in self.ranges:
             layers.update(range(low, high + 1))
         return tuple(sorted(layers))
+
+
+def check_layers(layers: LayerRanges | None, geometry: Geometry) -> list[int]:
+    """The layers a command looks at: all when None, else each must exist in this ledger."""
+    if layers is None:
+        return list(range(geometry.num_layers))
+    return list(layers.expand(geometry.num_layers))
+
+
+def format_layers(layers: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``0-2,5,7-8`` (sorted; an operator reads ranges faster)."""
+    ordered = sorted(set(layers))
+    parts = []
+    start = 0
+    while start < len(ordered):
+        end = start
+        while end + 1 < len(ordered) and ordered[end + 1] == ordered[end] + 1:
+            end += 1
+        first, last = ordered[start], ordered[end]
+        parts.append(str(first) if first == last else f"{first}-{last}")
+        start = end + 1
+    return ",".join(parts)

@@ -1,15 +1,8 @@
 """The ledgers a PATH names, for the commands that read many at once (``fleet``, ``metrics``).
 
-A PATH is one of:
-
-- a ledger file: itself (also when it is missing or no ledger: its reader then says why);
-- a directory: the SQLite files directly in it (by their header), not their ``-wal``, ``-shm``,
-  ``-journal`` or ``.lock`` companions;
-- the daemons' ledger path template, with ``{device_uuid}`` (``--expert-layout-ledger``,
-  ``SGLANG_EXPERT_LAYOUT_LEDGER_TEMPLATE``): the files it matches, ``{device_uuid}`` standing
-  for any text.
-
-A directory or template that names no ledger is an error: it is no usable path. The same file
+A PATH is a ledger file (itself, even when missing: its reader then says why), a directory (the
+SQLite files directly in it, not their companions), or the daemons' ledger path template with
+``{device_uuid}`` (the files it matches). One that names no ledger is an error; the same file
 named twice is read once.
 """
 

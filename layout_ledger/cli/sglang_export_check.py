@@ -1,16 +1,12 @@
 """``layout-ledger export --check``: load the exported file through sglang's own code path.
 
-The only module of ``layout_ledger`` that imports sglang (and through it torch), and only inside
-``check_export``; ``layout_ledger.cli.app`` imports this module only for ``export --check``.
+The one module of ``layout_ledger`` that imports sglang (and through it torch), only inside
+``check_export``, and ``export`` imports it only for ``--check``. It runs what an engine started
+with ``--init-expert-location FILE`` runs (real ``ServerArgs`` on ``device="cpu"``), and passes
+when the metadata's map equals the ledger's and the model has the ledger's layers and experts.
 
-What it runs is what an engine started with ``--init-expert-location FILE`` runs: real
-``ServerArgs`` (``device="cpu"``, ``--ep-num-redundant-experts`` from the ledger's geometry),
-``publish`` for a scheduler rank, ``ModelConfig.from_server_args`` and
-``compute_initial_expert_location_metadata`` (sglang/srt/eplb/expert_location.py:766), which
-reads the file and calls ``ExpertLocationMetadata.init_by_mapping``. The check passes when the
-metadata's ``physical_to_logical_map`` equals the ledger's map, and the model has the ledger's
-layers and logical experts (``init_by_mapping`` itself would accept a map of another model's
-layer count without complaint).
+sglang 0.5.23 function it calls: ``compute_initial_expert_location_metadata``
+(sglang/srt/eplb/expert_location.py:766).
 """
 
 from __future__ import annotations
@@ -24,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from layout_ledger.cli.held_maps import check_ep_size
 from layout_ledger.cli.json_shape import JsonShaped
-from layout_ledger.cli.report import check_ep_size
 from layout_ledger.core.errors import LedgerError
 from layout_ledger.core.layout import Geometry, Map
 

@@ -1,27 +1,45 @@
-"""``layout-ledger plot``: the layout as a picture (matplotlib, Agg, imported only here, lazily).
+"""``layout-ledger plot``: the map at one version as a picture, and with ``--moves`` the
+slots each commit moved over time (PNG, SVG or PDF, by the output's suffix).
 
-The output's suffix names the format: ``.png``, ``.svg`` or ``.pdf`` (any other is refused).
-
-The top panel is the map at one version as a layers x physical-slots heatmap coloured by
-logical expert, with a line at every EP-rank boundary (``--ep-size``). With ``moves``, a second
-panel shows how many slots each held commit moved, over time. matplotlib is an optional extra
-(``pip install 'sglang-expert-layout-ledger[plot]'``); without it the command says so.
+matplotlib (Agg) is an optional extra (``[plot]``), imported only when a picture is drawn.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from layout_ledger.cli import exit_codes
+from layout_ledger.cli.atomic_files import write_atomically
+from layout_ledger.cli.held_maps import HeldMap, check_ep_size, held_map
 from layout_ledger.cli.json_shape import JsonShaped
-from layout_ledger.cli.report import HeldMap, check_ep_size, held_map, write_atomically
+from layout_ledger.cli.output import emit
 from layout_ledger.cli.terminal import printable
 from layout_ledger.core.errors import LedgerError
 from layout_ledger.history.reader import LedgerReader
 from layout_ledger.store.version_walk import walk_versions
+
+
+def run(args: argparse.Namespace) -> int:
+    width, height = args.size
+    with LedgerReader(args.ledger) as ledger:
+        collected = plot_layout(
+            ledger,
+            args.output,
+            incarnation_id=args.incarnation,
+            version=args.version,
+            ep_size=args.ep_size,
+            moves=args.moves,
+            width=width,
+            height=height,
+        )
+    emit(args, collected.to_json(), render_plot(collected))
+    return exit_codes.OK
+
 
 DPI = 100
 DEFAULT_WIDTH = 1200

@@ -1,18 +1,13 @@
 """``layout-ledger backup``: a consistent single-file copy of a ledger, also while its daemon runs.
 
-A daemon's ledger keeps its newest commits in the ``-wal`` beside it until a checkpoint copies
-them back (``maintenance``), so a plain ``cp`` of the main file alone copies an empty or stale
-database and loses them. ``backup_ledger`` copies through SQLite's online backup API instead,
-from a read-only connection (``storage.open_reader_engine``: the same file checks as every
-reader, and it works on read-only media), in one step: one read snapshot, so the copy is the
-ledger as it stood at one moment, never half a commit, and the daemon's commits go on
-meanwhile. The copy is one file (rollback journal, no WAL), mode 0600, written under a
-temporary name, synced, then linked into place, so a backup never replaces an existing file
-and a reader never sees half a copy.
+A plain ``cp`` of the main file misses the commits still in its ``-wal``; SQLite's online backup
+API, in one step from a read-only connection, copies the ledger as it stood at one moment. The
+copy (one file, mode 0600) is linked into place, so it never replaces a file.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sqlite3
@@ -23,11 +18,19 @@ from pathlib import Path
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
+from layout_ledger.cli import exit_codes
 from layout_ledger.cli.json_shape import JsonShaped
+from layout_ledger.cli.output import emit
 from layout_ledger.core.errors import LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.store.connections import open_reader_engine
 from layout_ledger.store.files import FILE_MODE
 from layout_ledger.store.migrate import file_revision, refuse_newer
+
+
+def run(args: argparse.Namespace) -> int:
+    result = backup_ledger(args.ledger, args.destination)
+    emit(args, result.to_json(), render_backup(result))
+    return exit_codes.OK
 
 
 @dataclass(frozen=True)

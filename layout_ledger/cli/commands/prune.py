@@ -1,46 +1,38 @@
-"""The two writing commands of ``layout-ledger``: ``prune`` and ``upgrade``.
+"""``layout-ledger prune``: remove the layout rows of old versions; the current map and every
+event stay.
 
-Both open the ledger the way its daemon does (the one-writer lock, then a writer connection),
-so while a daemon owns the file they fail at once with ``LedgerLocked`` naming its holder,
-and neither ever creates a ledger: a missing path is an error, not a new file.
+It opens the ledger the way its daemon does (the one-writer lock, then a writer connection), so
+while a daemon owns the file it fails at once naming its holder, and it runs only on a ledger
+that passes ``verify`` (it never destroys evidence).
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from sqlalchemy.exc import DBAPIError
-
+from layout_ledger.cli import exit_codes
+from layout_ledger.cli.existing_ledger import require_existing
 from layout_ledger.cli.json_shape import JsonShaped
-from layout_ledger.core.errors import (
-    LedgerFileError,
-    LedgerInconsistent,
-    LedgerStorageError,
-    SchemaOutdated,
-)
+from layout_ledger.cli.output import emit
+from layout_ledger.core.errors import LedgerInconsistent
+from layout_ledger.history.checks import collect_verify
 from layout_ledger.history.reader import LedgerReader
-from layout_ledger.store.connections import open_writer
 from layout_ledger.store.ledger import Ledger
-from layout_ledger.store.migrate import file_revision, upgrade_to_head
 from layout_ledger.store.rows import (
     current_version,
     incarnation,
     incarnations,
     reconstructible_from,
 )
-from layout_ledger.store.schema import SCHEMA_HEAD
 
 
-def _require_existing(path: Path) -> None:
-    if not path.exists():
-        raise LedgerFileError(f"ledger {path} does not exist")
-    if not path.is_file():
-        raise LedgerFileError(f"ledger {path} is not a regular file")
-
-
-# --- prune --------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    result = prune_ledger(args.ledger, args.keep, args.incarnation)
+    emit(args, result.to_json(), render_prune(result))
+    return exit_codes.OK
 
 
 @dataclass(frozen=True)
@@ -67,7 +59,7 @@ class PruneResult(JsonShaped):
 def prune_ledger(path: str | Path, keep: int, incarnation_id: int | None = None) -> PruneResult:
     """Keep the rows of each incarnation's last ``keep`` versions (``Ledger.prune``)."""
     path = Path(path)
-    _require_existing(path)
+    require_existing(path)
     # Read-only first: a file of an older schema is reported (run `upgrade`), never upgraded as
     # a side effect of a prune; a file of a newer one is refused before any lock is taken.
     LedgerReader(path).close()
@@ -100,8 +92,6 @@ def prune_ledger(path: str | Path, keep: int, incarnation_id: int | None = None)
 
 def _refuse_inconsistent(path: Path) -> None:
     """Prune never destroys evidence: it runs only on a ledger that passes ``verify``."""
-    from layout_ledger.history.checks import collect_verify
-
     with LedgerReader(path) as ledger:
         report = collect_verify(ledger)
     if not report.ok:
@@ -127,60 +117,3 @@ def render_prune(result: PruneResult) -> list[str]:
             lines.append(f"incarnation {inc.incarnation_id}: nothing to remove; {held}")
     lines.append(f"removed {result.rows_removed} layout rows in all (every event kept)")
     return lines
-
-
-# --- upgrade ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class UpgradeResult(JsonShaped):
-    json_properties: ClassVar[tuple[str, ...]] = ("upgraded",)
-
-    path: str
-    from_revision: str
-    to_revision: str
-
-    @property
-    def upgraded(self) -> bool:
-        return self.from_revision != self.to_revision
-
-
-def upgrade_ledger(path: str | Path) -> UpgradeResult:
-    """Upgrade an existing ledger's schema to ``SCHEMA_HEAD``; refuse a newer one."""
-    path = Path(path)
-    _require_existing(path)
-    # Read-only first, so a file that is no ledger of ours (not SQLite, another application's
-    # database, a newer schema) is refused before anything touches it: the writer connection
-    # would switch it to WAL and create a lock file beside it.
-    try:
-        LedgerReader(path).close()
-    except SchemaOutdated:
-        at_head = False
-    else:
-        at_head = True
-    # A writing command fails while a daemon owns the file, even with nothing to do.
-    with open_writer(path, create=False) as writer:
-        if at_head:
-            return UpgradeResult(str(path), SCHEMA_HEAD, SCHEMA_HEAD)
-        conn = writer.connection
-        try:
-            revision = file_revision(conn)
-            if revision is None:
-                raise LedgerFileError(f"{path} is an empty SQLite file, not a ledger")
-            if conn.in_transaction():
-                conn.commit()
-            upgrade_to_head(conn, path)
-        except DBAPIError as exc:
-            if "not a database" in str(exc.orig):
-                raise LedgerFileError(f"{path} is not an SQLite database") from exc
-            raise LedgerStorageError(f"upgrading ledger {path} failed: {exc.orig}") from exc
-    return UpgradeResult(str(path), revision, SCHEMA_HEAD)
-
-
-def render_upgrade(result: UpgradeResult) -> list[str]:
-    if result.upgraded:
-        return [
-            f"upgraded ledger {result.path} from schema {result.from_revision} to "
-            f"{result.to_revision}"
-        ]
-    return [f"ledger {result.path} is already at schema {result.to_revision}; nothing to do"]

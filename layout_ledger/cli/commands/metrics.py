@@ -1,46 +1,31 @@
-"""``layout-ledger metrics``: the ledgers' state as Prometheus series.
+"""``layout-ledger metrics``: the ledgers' state as Prometheus series (docs/cli.md lists them).
 
-The series, one set per ledger, each labelled ``ledger`` (its path), ``host``, ``device_uuid``,
-``gpu_id`` and ``tp_rank`` (from the incarnation's origin; empty when not recorded) plus the
-constant labels given with ``--label``:
-
-- ``sglang_expert_layout_version``: the current layout version;
-- ``sglang_expert_layout_dirty``: 1 while the layout is unknown (an engine left mid-move);
-- ``sglang_expert_layout_move_pending``: 1 while a move is pending;
-- ``sglang_expert_layout_move_pending_seconds``: how long it has been pending (else 0);
-- ``sglang_expert_layout_attached_engines``: the engines attached;
-- ``sglang_expert_layout_daemon_up``: 1 the daemon runs, 0 it does not, NaN cannot tell here;
-- ``sglang_expert_layout_commits_total``: commits in the latest incarnation;
-- ``sglang_expert_layout_refusals_total``: refusals in it, by ``kind`` (the event kind);
-- ``sglang_expert_layout_last_commit_timestamp_seconds``: when the current version was recorded;
-- ``sglang_expert_layout_incarnation``: the latest incarnation's id;
-- ``sglang_expert_layout_info``: 1, with ``digest`` (and config fingerprint, versions, ...);
-- ``sglang_expert_layout_ledger_readable`` (labelled ``ledger`` only): 1 read, 0 not.
-
-The counters count the latest incarnation: a daemon restart resets them, as a process restart
-resets any counter (Prometheus' ``rate`` and ``increase`` handle the reset).
-
-Collecting (``collect_metrics``) reads each ledger read-only (``history.overview``): a WAL reader
-that never blocks the daemon's commits, and no checkpoint waits for it. Only the rendering needs the
-official ``prometheus_client`` (the ``metrics`` extra), imported when asked for, so the core
-install stays SQLAlchemy + Alembic. ``write_textfile`` writes the text exposition format
-atomically for node_exporter's textfile collector; ``serve_metrics`` serves ``/metrics`` with
-``prometheus_client``'s HTTP server, re-reading the ledgers on every scrape.
+Collecting reads each ledger read-only (``history.overview``), never blocking its daemon. Only
+the rendering needs ``prometheus_client`` (the ``metrics`` extra), imported when asked for;
+``write_textfile`` writes for node_exporter's textfile collector, ``serve_metrics`` serves
+``/metrics``, re-reading the ledgers on every scrape.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import logging
 import math
 import os
 import re
+import signal
+import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from layout_ledger.cli import exit_codes
+from layout_ledger.cli.atomic_files import write_atomically
 from layout_ledger.cli.json_shape import JsonObject
+from layout_ledger.cli.output import emit, print_error
 from layout_ledger.cli.path_expansion import expand_ledger_paths
 from layout_ledger.cli.terminal import printable
 from layout_ledger.core.errors import LedgerError, LedgerFileError
@@ -49,6 +34,7 @@ from layout_ledger.history.overview import (
     LedgerOverview,
     UnreadableLedger,
     read_overviews,
+    require_one_readable,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,6 +43,57 @@ PREFIX = "sglang_expert_layout"
 LEDGER_LABELS = ("ledger", "host", "device_uuid", "gpu_id", "tp_rank")
 EXTRA_HINT = "pip install 'sglang-expert-layout-ledger[metrics]'"
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def run(args: argparse.Namespace) -> int:
+    labels = dict(args.label or ())
+    check_constant_labels(labels)
+    if args.serve is not None:
+        return _serve_metrics(args, labels)
+    collected = collect_metrics(args.paths, labels)
+    require_one_readable(collected.ledgers)
+    text = exposition(collected)
+    if args.output is not None:
+        write_textfile(Path(args.output), text)
+    payload = {
+        "output": args.output,
+        "ledgers": len(collected.ledgers),
+        "unreadable": [item.path for item in collected.unreadable],
+        "samples": samples_json(collected),
+    }
+    if args.output is not None:
+        lines = [f"wrote {args.output}: {len(collected.ledgers)} ledgers"]
+    else:
+        lines = text.decode().splitlines()
+    emit(args, payload, lines)
+    for item in collected.unreadable:
+        print_error("metrics", f"cannot read ledger {item.path}: {item.problem}")
+    return exit_codes.UNUSABLE if collected.unreadable else exit_codes.OK
+
+
+def _serve_metrics(args: argparse.Namespace, labels: dict[str, str]) -> int:
+    """Serve until SIGTERM or SIGINT, then stop cleanly (exit 0)."""
+    host, port = args.serve
+    stop = threading.Event()
+    previous = {
+        signum: signal.signal(signum, lambda *_: stop.set())
+        for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        server = serve_metrics(host, port, args.paths, labels)
+        try:
+            sys.stdout.write(
+                f"serving {server.url}: {len(args.paths)} ledger path(s), re-read read-only "
+                f"on every scrape; SIGTERM or Ctrl-C stops\n"
+            )
+            sys.stdout.flush()
+            stop.wait()
+        finally:
+            server.close()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return exit_codes.OK
 
 
 def check_constant_labels(labels: Mapping[str, str]) -> None:
@@ -273,8 +310,6 @@ def samples_json(report: MetricsReport) -> list[JsonObject]:
 def write_textfile(output: Path, data: bytes) -> None:
     """``data`` into ``output`` atomically: a reader (node_exporter) sees the old file or the
     new one, never half of one; the temporary file's name does not end in ``.prom``."""
-    from layout_ledger.cli.report import write_atomically
-
     write_atomically(output, data, temporary_suffix=".tmp")
 
 

@@ -1,28 +1,14 @@
 """``layout-ledger fleet``: every ledger of an engine at once, and the verdict its startup reaches.
 
-An engine with EP 16 has 16 daemons and 16 ledgers. ``collect_fleet`` reads each one read-only
-(``history.overview``), describes it as the engine rank on that GPU would describe its daemon's
-attach reply (a ``RankFinding``), and hands the findings to
-``layout_ledger.core.startup_verdict.decide``: the same code every engine rank runs at startup. So
-the verdict is the engine's own: adopt version V with digest D, keep the initial layout, or fail.
-
-Each ledger becomes a finding the way the engine makes one (``agreement.finding_from_layout``):
-dirty -> DIRTY; a move pending -> STUCK (an engine starting now waits for it, up to
-``SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT``, and fails if it does not end); a clean record -> RECORD
-with version, digest and map. A ledger that cannot be read -> UNREADABLE. A ledger whose
-daemon is known not to run (its writer lock is free: a SIGKILL, a crash, a stop) -> NO_DAEMON:
-an engine starting now finds no daemon there, and a daemon started now begins a new
-incarnation at version 0. A ledger whose liveness cannot be told here (another host, read-only
-media) is taken at its word. The rank is the incarnation's TP rank when every ledger recorded a
-distinct one, else the order of the paths.
-
-Exit codes (``FleetReport.exit_code``), in this order of precedence: 3 a daemon is dirty, 4 a
-move is pending, 5 the ledgers disagree (or some daemons run and moved experts while others do
-not run), 2 a ledger cannot be read; 0 when an engine would start.
+Each ledger, read read-only, becomes the finding the engine rank on that GPU would make of its
+daemon (``finding_from_layout``; NO_DAEMON when its writer lock is free, UNREADABLE when it
+cannot be read), and ``core.startup_verdict.decide``, the code every engine rank runs at
+startup, reaches the verdict over them. Exit codes: ``FleetReport.exit_code``.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +18,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from layout_ledger.cli import exit_codes
 from layout_ledger.cli.json_shape import JsonObject, JsonShaped, json_field
-from layout_ledger.cli.report import format_layers
+from layout_ledger.cli.layer_ranges import format_layers
+from layout_ledger.cli.output import emit, print_error
+from layout_ledger.cli.path_expansion import expand_ledger_paths
 from layout_ledger.core.errors import LedgerError, LedgerFileError
 from layout_ledger.core.startup_verdict import (
     AdoptLayout,
@@ -55,9 +43,23 @@ from layout_ledger.history.reader import LedgerReader
 from layout_ledger.store.origin import IncarnationOrigin
 from layout_ledger.wire.protocol import LayoutView, pending_to_wire
 
-WAIT_TIMEOUT_ENV = "SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT"  # the engine's (engine_startup)
+WAIT_TIMEOUT_ENV = "SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT"  # how long a starting engine waits
 
 Key = TypeVar("Key")
+
+
+def run(args: argparse.Namespace) -> int:
+    paths = expand_ledger_paths(args.paths)
+    if args.verify:
+        verified = collect_fleet_verify(paths)
+        emit(args, verified.to_json(), render_fleet_verify(verified))
+        return verified.exit_code
+    collected = collect_fleet(paths)
+    emit(args, collected.to_json(), render_fleet(collected))
+    for row in collected.ledgers:
+        if row.problem is not None:
+            print_error("fleet", f"cannot read ledger {row.path}: {row.problem}")
+    return collected.exit_code
 
 
 def _pending_json(pending: PendingMove | None) -> JsonObject | None:

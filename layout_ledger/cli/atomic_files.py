@@ -1,0 +1,69 @@
+"""Writing an output file so a reader sees the old file or the new one, never half of one.
+
+``export``, ``plot`` and ``metrics -o`` write through ``write_atomically``: a temporary file in
+the output's directory, synced, renamed into place, then the directory synced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from layout_ledger.core.errors import LedgerError
+
+
+def write_atomically(
+    output: Path,
+    data: bytes,
+    accept: Callable[[Path], bool] | None = None,
+    *,
+    temporary_suffix: str | None = None,
+) -> bool:
+    """Write ``data`` to ``output`` through a temporary file in its directory (same suffix, or
+    ``temporary_suffix``), synced to disk, then a rename, then a sync of the directory.
+    ``accept`` sees the complete temporary file first: when it returns False or raises, the
+    temporary file is removed and ``output`` stays as it was. Returns whether ``output`` was
+    written."""
+    directory = output.parent
+    if not directory.is_dir():
+        raise LedgerError(f"cannot write {output}: the directory {directory} does not exist")
+    try:
+        suffix = output.suffix if temporary_suffix is None else temporary_suffix
+        fd, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=suffix, dir=directory)
+    except OSError as exc:
+        raise LedgerError(f"cannot write {output}: {exc.strerror}") from exc
+    temporary = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        temporary.chmod(0o644)
+        if accept is not None and not accept(temporary):
+            temporary.unlink()
+            return False
+        os.replace(temporary, output)
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+        if isinstance(exc, OSError):
+            raise LedgerError(f"cannot write {output}: {exc.strerror}") from exc
+        raise
+    _sync_directory(output)
+    return True
+
+
+def _sync_directory(output: Path) -> None:
+    try:
+        fd = os.open(output.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise LedgerError(
+            f"wrote {output} but could not sync its directory to disk: {exc.strerror}"
+        ) from exc

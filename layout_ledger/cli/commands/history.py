@@ -1,0 +1,173 @@
+"""``layout-ledger history``: the events, filtered by incarnation, engine, layer, kind and time.
+
+Read from the ``ledger_events`` view; printed as lines, ``--json``, or one row per event
+(``--nl``, ``--csv``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+from layout_ledger.cli import exit_codes
+from layout_ledger.cli.event_rows import EVENT_COLUMNS, EVENT_COLUMNS_SQL, EventRow, render_event
+from layout_ledger.cli.json_shape import JsonObject, JsonShaped
+from layout_ledger.cli.layer_ranges import LayerRanges
+from layout_ledger.cli.output import emit
+from layout_ledger.core import events as ev
+from layout_ledger.core.errors import LedgerError
+from layout_ledger.history.reader import LedgerReader
+from layout_ledger.store.rows import in_list, incarnation, incarnations
+
+
+def run(args: argparse.Namespace) -> int:
+    wanted = HistoryRequest(
+        incarnation_id=args.incarnation,
+        engine=args.engine,
+        layers=args.layers,
+        kinds=tuple(dict.fromkeys(args.kind or ())),
+        since=args.since,
+        until=args.until,
+        last=args.last,
+    )
+    with LedgerReader(args.ledger) as ledger:
+        collected = collect_history(ledger, wanted)
+    rows = (EVENT_COLUMNS, history_rows(collected))
+    emit(args, collected.to_json(), render_history(collected), rows)
+    return exit_codes.OK
+
+
+@dataclass(frozen=True)
+class HistoryRequest:
+    """What ``history`` was asked for, before it is checked against the ledger."""
+
+    incarnation_id: int | None = None
+    engine: str | None = None  # an engine_id, or a unique prefix of one
+    layers: LayerRanges | None = None
+    kinds: tuple[str, ...] = ()
+    since: str | None = None
+    until: str | None = None
+    last: int | None = None
+
+
+@dataclass(frozen=True)
+class HistoryFilter(JsonShaped):
+    """The filter ``history`` applied, resolved against the ledger: the events every given
+    filter matches (since <= at < until); no layers and no kinds mean any."""
+
+    incarnation_id: int | None = None
+    engine_id: str | None = None
+    layers: tuple[int, ...] = ()
+    kinds: tuple[str, ...] = ()
+    since: str | None = None
+    until: str | None = None
+    last: int | None = None
+
+
+@dataclass(frozen=True)
+class HistoryReport(JsonShaped):
+    path: str
+    filter: HistoryFilter
+    events: tuple[EventRow, ...]
+
+
+def resolve_engine(conn: Connection, asked: str, incarnation_id: int | None = None) -> str:
+    """The engine_id ``--engine`` means: ``asked`` itself when an event names it, else the one
+    engine_id it begins; an ambiguous prefix is an error listing the matches, and a prefix of
+    nothing stays as asked (no event matches it)."""
+    sql = (
+        "SELECT DISTINCT engine_id FROM ledger_events WHERE substr(engine_id, 1, :length) = :asked"
+    )
+    params: dict[str, Any] = {"length": len(asked), "asked": asked}
+    if incarnation_id is not None:
+        sql += " AND incarnation_id = :inc"
+        params["inc"] = incarnation_id
+    matches = sorted(str(engine) for engine in conn.execute(text(sql), params).scalars())
+    if asked in matches or not matches:
+        return asked
+    if len(matches) == 1:
+        return matches[0]
+    listed = ", ".join(repr(engine) for engine in matches)
+    raise LedgerError(
+        f"--engine {asked!r} matches {len(matches)} engines: {listed}; give more of the id"
+    )
+
+
+def _history_query(applied: HistoryFilter) -> tuple[str, dict[str, Any]]:
+    where = []
+    params: dict[str, Any] = {}
+    if applied.incarnation_id is not None:
+        where.append("incarnation_id = :inc")
+        params["inc"] = applied.incarnation_id
+    if applied.engine_id is not None:
+        where.append("engine_id = :engine")
+        params["engine"] = applied.engine_id
+    if applied.kinds:
+        marks, kinds = in_list("kind", applied.kinds)
+        where.append(f"kind IN {marks}")
+        params.update(kinds)
+    if applied.layers:
+        marks, layers = in_list("layer", applied.layers)
+        where.append(
+            f"EXISTS (SELECT 1 FROM json_each(ledger_events.layers) j WHERE j.value IN {marks})"
+        )
+        params.update(layers)
+    if applied.since is not None:
+        where.append("at >= :since")
+        params["since"] = applied.since
+    if applied.until is not None:
+        where.append("at < :until")
+        params["until"] = applied.until
+    sql = f"SELECT {EVENT_COLUMNS_SQL} FROM ledger_events"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY event_id DESC"
+    if applied.last is not None:
+        sql += " LIMIT :last"
+        params["last"] = applied.last
+    return sql, params
+
+
+def collect_history(ledger: LedgerReader, wanted: HistoryRequest) -> HistoryReport:
+    for kind in wanted.kinds:
+        if kind not in ev.ALL_KINDS:
+            raise LedgerError(f"unknown event kind {kind!r}; expected one of {ev.ALL_KINDS}")
+    if wanted.last is not None and wanted.last < 1:
+        raise LedgerError(f"--last must be at least 1, got {wanted.last}")
+    with ledger.connect() as conn:
+        if wanted.incarnation_id is not None:  # names a missing incarnation
+            chosen = [incarnation(conn, wanted.incarnation_id)]
+        else:
+            chosen = incarnations(conn)
+        num_layers = max((inc.geometry.num_layers for inc in chosen), default=0)
+        applied = HistoryFilter(
+            incarnation_id=wanted.incarnation_id,
+            engine_id=(
+                None
+                if wanted.engine is None
+                else resolve_engine(conn, wanted.engine, wanted.incarnation_id)
+            ),
+            layers=() if wanted.layers is None else wanted.layers.expand(num_layers),
+            kinds=wanted.kinds,
+            since=wanted.since,
+            until=wanted.until,
+            last=wanted.last,
+        )
+        sql, params = _history_query(applied)
+        rows = conn.execute(text(sql), params).all()
+    events = tuple(EventRow.from_row(row) for row in reversed(rows))
+    return HistoryReport(str(ledger.path), applied, events)
+
+
+def render_history(report: HistoryReport) -> list[str]:
+    if not report.events:
+        return ["no events match"]
+    return [render_event(event) for event in report.events]
+
+
+def history_rows(report: HistoryReport) -> list[JsonObject]:
+    """The events as rows of ``EVENT_COLUMNS`` (``--nl``, ``--csv``)."""
+    return [event.to_json() for event in report.events]

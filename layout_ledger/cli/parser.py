@@ -1,0 +1,469 @@
+"""Argument parsing for ``layout-ledger``: the verbs, their options, the argument types.
+
+Cheap on purpose: ``--version`` and ``--help`` end here, so this module imports only argparse
+and the event kinds (``history --kind``); no verb module, no SQLAlchemy. Options several verbs
+take are defined once (``SHARED_OPTIONS``) and shared as parent parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import layout_ledger
+from layout_ledger.core.events import ALL_KINDS
+
+if TYPE_CHECKING:
+    from layout_ledger.cli.layer_ranges import LayerRanges
+
+PROG = "layout-ledger"
+DISTRIBUTION = "sglang-expert-layout-ledger"
+
+# SQLite integers are signed 64-bit: a larger number can name no version or incarnation.
+_LARGEST = 2**63 - 1
+
+OptionAdder = Callable[[argparse.ArgumentParser], None]
+
+
+def tool_version() -> str:
+    """This tool's version: the installed distribution's, else the package's own."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return layout_ledger.__version__
+
+
+class UsageError(Exception):
+    """A bad command line; argparse's message, on one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage block) and never exits by itself."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+class _VersionAction(argparse._VersionAction):
+    """``--version``: the version is looked up only when asked for (importlib.metadata is slow
+    to import)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        self.version = f"{PROG} {tool_version()}"
+        super().__call__(parser, namespace, values, option_string)
+
+
+# --- argument types -----------------------------------------------------------------------
+
+
+def _whole_number(value: str, lowest: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < lowest:
+        raise argparse.ArgumentTypeError(f"expected a number >= {lowest}, got {number}")
+    if number > _LARGEST:
+        raise argparse.ArgumentTypeError(f"expected a number <= {_LARGEST}, got {number}")
+    return number
+
+
+def _non_negative(value: str) -> int:
+    return _whole_number(value, 0)
+
+
+def _positive(value: str) -> int:
+    return _whole_number(value, 1)
+
+
+def _layers_spec(value: str) -> LayerRanges:
+    """``0,3,5-7``, kept as ranges: expanded only once the ledger's layer count is known."""
+    from layout_ledger.cli.layer_ranges import LayerRanges
+
+    try:
+        return LayerRanges.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kinds(value: str) -> list[str]:
+    """``commit,dirty``: event kinds, each one the ledger writes."""
+    kinds = [part.strip() for part in value.split(",")]
+    for kind in kinds:
+        if kind not in ALL_KINDS:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {kind!r} (choose from {', '.join(ALL_KINDS)})"
+            )
+    return kinds
+
+
+def _timestamp(value: str) -> str:
+    """An ISO-8601 time (no zone = UTC) as the ledger writes times, so text order is time order.
+    A trailing ``Z`` means UTC on every Python (``fromisoformat`` takes it only from 3.11)."""
+    spelled = value.strip()
+    if spelled[-1:] in ("Z", "z"):
+        spelled = spelled[:-1] + "+00:00"
+    try:
+        moment = datetime.datetime.fromisoformat(spelled)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an ISO-8601 time like 2026-11-29T13:00:00Z, got {value!r}"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return moment.astimezone(datetime.timezone.utc).isoformat(timespec="microseconds")
+
+
+def _pixels(value: str) -> tuple[int, int]:
+    width, x, height = value.lower().partition("x")
+    try:
+        if not x:
+            raise ValueError(value)
+        return int(width), int(height)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected WIDTHxHEIGHT like 1200x800, got {value!r}"
+        ) from None
+
+
+def _address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:9400``, ``:9400`` for every interface; port 0: any free one)."""
+    host, colon, port = value.rpartition(":")
+    if not colon:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT like 127.0.0.1:9400, got {value!r}")
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {port!r}")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return host or "0.0.0.0", number
+
+
+def _label(value: str) -> tuple[str, str]:
+    name, equals, text = value.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE like engine=ds-v3, got {value!r}")
+    return name, text
+
+
+# --- options several verbs share (each defined once) ----------------------------------------
+
+
+def _ledger(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ledger", metavar="LEDGER", help="path of the ledger file")
+
+
+def _paths(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="a ledger file, a directory (its ledgers), or the daemons' ledger template with "
+        "{device_uuid} (the ledgers it matches)",
+    )
+
+
+def _add_json(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (stable keys, sorted)"
+    )
+
+
+def _json(parser: argparse.ArgumentParser) -> None:
+    _add_json(parser)
+
+
+def _json_or_rows(parser: argparse.ArgumentParser) -> None:
+    """The output forms of a command that lists rows: one of --json, --nl, --csv."""
+    forms = parser.add_mutually_exclusive_group()
+    _add_json(forms)
+    forms.add_argument(
+        "--nl",
+        dest="rows",
+        action="store_const",
+        const="nl",
+        help="print one JSON object per row, one per line (newline-delimited JSON)",
+    )
+    forms.add_argument(
+        "--csv",
+        dest="rows",
+        action="store_const",
+        const="csv",
+        help="print CSV: a header line, then one line per row",
+    )
+
+
+def _incarnation_latest(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--incarnation",
+        type=_positive,
+        metavar="N",
+        help="the daemon incarnation (default: the latest)",
+    )
+
+
+def _incarnation_all(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--incarnation",
+        type=_positive,
+        metavar="N",
+        help="only this daemon incarnation (default: all incarnations)",
+    )
+
+
+def _version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--version",
+        type=_non_negative,
+        metavar="V",
+        help="a version still held (default: the current one)",
+    )
+
+
+def _layers(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--layers", type=_layers_spec, metavar="SPEC", help="only these layers, e.g. 0,3,5-7"
+    )
+
+
+def _ep_size(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ep-size",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="the engines' EP size: slots are grouped per EP rank; it must divide the physical "
+        "slots per layer (default: 1)",
+    )
+
+
+SHARED_OPTIONS: dict[str, OptionAdder] = {
+    "ledger": _ledger,
+    "paths": _paths,
+    "json": _json,
+    "rows": _json_or_rows,
+    "incarnation": _incarnation_latest,
+    "incarnations": _incarnation_all,
+    "version": _version,
+    "layers": _layers,
+    "ep_size": _ep_size,
+}
+
+
+def _output(parser: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
+    parser.add_argument("-o", "--output", required=required, metavar="FILE", help=what)
+
+
+# --- each verb's own options ----------------------------------------------------------------
+
+
+def _history_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        metavar="ID",
+        help="only events of this engine_id, or of the one engine_id it begins",
+    )
+    parser.add_argument(
+        "--kind",
+        action="extend",
+        type=_kinds,
+        metavar="KIND[,KIND...]",
+        help=f"only events of these kinds (repeatable): {', '.join(ALL_KINDS)}",
+    )
+    parser.add_argument("--since", type=_timestamp, metavar="TIME", help="events at or after")
+    parser.add_argument("--until", type=_timestamp, metavar="TIME", help="events before")
+    parser.add_argument("--last", type=_positive, metavar="N", help="only the last N events")
+
+
+def _show_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fingerprints",
+        action="store_true",
+        help="also show the fingerprint the daemon recorded for each of its slots at that "
+        "version (which expert's bytes the slot held)",
+    )
+
+
+def _diff_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("from_version", type=_non_negative, metavar="V1", help="the version before")
+    parser.add_argument("to_version", type=_non_negative, metavar="V2", help="the version after")
+    parser.add_argument("--slots", action="store_true", help="also list every changed slot")
+
+
+def _export_options(parser: argparse.ArgumentParser) -> None:
+    _output(parser, "the JSON file to write (its name must end in .json)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="load the file through sglang's compute_initial_expert_location_metadata "
+        "(imports sglang) and confirm its map equals the ledger's; nothing is written unless "
+        "it does",
+    )
+    parser.add_argument(
+        "--model-path", metavar="DIR", help="the model directory (config.json) for --check"
+    )
+
+
+def _plot_options(parser: argparse.ArgumentParser) -> None:
+    _output(parser, "the picture to write: FILE.png, FILE.svg or FILE.pdf")
+    parser.add_argument(
+        "--moves", action="store_true", help="add the slots each commit moved, over time"
+    )
+    parser.add_argument(
+        "--size",
+        type=_pixels,
+        default=(1200, 800),
+        metavar="WxH",
+        help="picture size in pixels (default: 1200x800)",
+    )
+
+
+def _prune_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--keep",
+        type=_positive,
+        required=True,
+        metavar="N",
+        help="keep the rows of the last N versions of each incarnation",
+    )
+
+
+def _fleet_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="run verify on every ledger instead, one line each",
+    )
+
+
+def _metrics_options(parser: argparse.ArgumentParser) -> None:
+    _output(
+        parser,
+        "write the text exposition format to FILE atomically (node_exporter's textfile "
+        "collector reads FILE.prom); default: print it",
+        required=False,
+    )
+    parser.add_argument(
+        "--serve",
+        type=_address,
+        metavar="HOST:PORT",
+        help="serve /metrics over HTTP instead, re-reading the ledgers on every scrape",
+    )
+    parser.add_argument(
+        "--label",
+        action="append",
+        type=_label,
+        metavar="KEY=VALUE",
+        help="a label added to every series (repeatable), e.g. engine=ds-v3 to tell engines "
+        "apart in alerts",
+    )
+
+
+def _backup_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "destination",
+        metavar="DEST",
+        help="the copy to write (a new file), or a directory to write it into",
+    )
+
+
+# --- the parser ---------------------------------------------------------------------------
+
+# Each verb and its one-line summary (its help, and its description); app.py runs
+# layout_ledger.cli.commands.<verb>.
+COMMANDS: dict[str, str] = {
+    "status": "current version, digest, dirty mark, pending move, attached engines",
+    "history": "the events, filtered by incarnation, engine, layer, kind, time",
+    "show": "the map at a version, in sglang's format_expert_location_layout text",
+    "diff": "the slots that changed between two versions",
+    "export": "write a map as a file that --init-expert-location accepts",
+    "verify": "integrity check, digests, version chain, events against rows",
+    "plot": "draw the map (and with --moves the moves over time) as a PNG, SVG or PDF",
+    "prune": "remove layout rows of old versions (keeps the current map and events)",
+    "upgrade": "upgrade an older ledger's schema to this code's (refuses a newer one)",
+    "fleet": "every ledger of an engine at once, and the verdict the engine's startup would reach",
+    "metrics": "the ledgers' state as Prometheus series (text file, stdout, or an HTTP exporter)",
+    "backup": "a consistent single-file copy of a ledger with SQLite's backup API, also while its "
+    "daemon writes",
+}
+
+# Each verb: the shared options it takes (in this order), then its own.
+VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
+    "status": (("ledger", "json", "incarnation"), None),
+    "history": (("ledger", "rows", "incarnations", "layers"), _history_options),
+    "show": (("ledger", "json", "incarnation", "version", "layers", "ep_size"), _show_options),
+    "diff": (("ledger", "rows", "incarnation", "layers"), _diff_options),
+    "export": (("ledger", "json", "incarnation", "version", "ep_size"), _export_options),
+    "verify": (("ledger", "json"), None),
+    "plot": (("ledger", "json", "incarnation", "version", "ep_size"), _plot_options),
+    "prune": (("ledger", "json", "incarnations"), _prune_options),
+    "upgrade": (("ledger", "json"), None),
+    "fleet": (("paths", "json"), _fleet_options),
+    "metrics": (("paths", "json"), _metrics_options),
+    "backup": (("ledger", "json"), _backup_options),
+}
+
+EPILOG = (
+    "exit codes: 0 ok; 1 the command could not do what was asked; 2 bad arguments or no usable "
+    "ledger file; 3 (status, fleet) dirty; 4 (status) move pending or refusals seen, (fleet) a "
+    "move pending; 5 verify or export --check found an inconsistency, prune refused a ledger "
+    "that fails verify, or (fleet) the ledgers disagree; 130 interrupted"
+)
+
+
+def _shared_parents() -> dict[str, _Parser]:
+    """One parent parser per shared option, so each is defined once for every verb."""
+    parents = {}
+    for name, add in SHARED_OPTIONS.items():
+        parent = _Parser(add_help=False)
+        add(parent)
+        parents[name] = parent
+    return parents
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Read, check and maintain an expert layout ledger of SGLang's weight cache "
+        "daemon. Read commands open the ledger read-only and work while the daemon writes.",
+        epilog=EPILOG,
+    )
+    parser.add_argument(
+        "--version", action=_VersionAction, help="print this tool's version and exit"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parents = _shared_parents()
+    for name, summary in COMMANDS.items():
+        shared, own = VERB_OPTIONS[name]
+        command = sub.add_parser(
+            name,
+            parents=[parents[option] for option in shared],
+            help=summary,
+            description=summary[0].upper() + summary[1:] + ".",
+            epilog=EPILOG,
+        )
+        if own is not None:
+            own(command)
+    return parser
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "export" and args.check and not args.model_path:
+        parser.error("export --check needs --model-path DIR (the model's config.json)")
+    if args.command == "metrics" and args.serve is not None and (args.output or args.json):
+        parser.error("metrics --serve prints no -o file and no --json")
+    return args
