@@ -12,7 +12,8 @@ while the WAL is large, and when a prune is due):
   file's blocks; ``journal_size_limit`` trims what is over), with SQLite's busy timeout at 0:
   a reader that holds an old snapshot (``sqlite3 LEDGER`` with an open ``BEGIN``) makes it give
   up at once instead of waiting, with the writer's lock held, for the busy timeout;
-- every ``Retention.prune_every`` commits, ``Ledger.prune`` to the last ``keep_versions``.
+- every ``Retention.prune_every`` commits (a ledger opened with a retention), ``Ledger.prune``
+  to the last ``keep_versions``.
 
 The writer connection's automatic checkpoint is off, so no commit ever pays for one. While a
 reader pins the WAL, nothing can shrink it: that is reported (``WalPin``) once when the WAL,
@@ -153,7 +154,7 @@ class Maintenance:
         self,
         path: Path,
         prune: Callable[[], None],
-        prune_every: int,
+        prune_every: int | None,
         writer_lock: AbstractContextManager[object],
     ) -> None:
         self.path = path
@@ -199,6 +200,9 @@ class Maintenance:
         return self._stopping
 
     def _prune_due(self) -> bool:
+        """True every ``prune_every`` commits (never without a retention)."""
+        if self._prune_every is None:
+            return False
         return self._commits - self._commits_at_prune >= self._prune_every
 
     def _run(self) -> None:

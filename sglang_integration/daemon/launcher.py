@@ -26,56 +26,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from sglang_integration import settings as content_settings
+from sglang_integration import settings
 from sglang_integration.daemon import hooks as daemon_hooks
-from sglang_integration.daemon import ledger_paths
-
-
-def add_ledger_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--expert-layout-ledger",
-        default=None,
-        metavar="TEMPLATE",
-        help=(
-            "path template of the expert layout ledger, with {device_uuid} "
-            f"(env {ledger_paths.LEDGER_TEMPLATE_ENV}; default: "
-            f"{ledger_paths.LEDGER_DIRECTORY}/{ledger_paths.LEDGER_FILE_TEMPLATE} beside the "
-            f"daemon socket, in a private directory)"
-        ),
-    )
-    parser.add_argument(
-        "--expert-layout-keep-versions",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"keep the layout rows of the last N versions (env {ledger_paths.KEEP_VERSIONS_ENV})",
-    )
-    parser.add_argument(
-        "--expert-layout-prune-every",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"prune the ledger every N commits (env {ledger_paths.PRUNE_EVERY_ENV})",
-    )
-    parser.add_argument(
-        "--expert-layout-request-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help=(
-            "seconds a client has to send its whole request (from the accept), and again to "
-            "take its reply, before the daemon drops the connection (env "
-            f"{ledger_paths.REQUEST_TIMEOUT_ENV}; default {ledger_paths.DEFAULT_REQUEST_TIMEOUT:g})"
-        ),
-    )
-    parser.add_argument(
-        "--expert-layout-content-check",
-        choices=content_settings.CHOICES,
-        default=None,
-        help="fingerprint the expert slots at load and at each commit, and refuse to serve a "
-        "load whose replicas differ (enforce, the default), only log it (warn), or record no "
-        f"fingerprints (off) (env {content_settings.CONTENT_CHECK_ENV})",
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -86,20 +38,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         description="sglang's weight cache daemon with the expert layout ledger. Every other "
         "argument is python -m sglang.srt.weight_cache.daemon's.",
     )
-    add_ledger_args(ledger_parser)
+    settings.add_daemon_flags(ledger_parser)
     if "-h" in argv or "--help" in argv:
         ledger_parser.print_help()
         print()
     ledger_args, rest = ledger_parser.parse_known_args(argv)
     try:
-        ledger_paths.export_settings(
-            ledger_args.expert_layout_ledger,
-            ledger_args.expert_layout_keep_versions,
-            ledger_args.expert_layout_prune_every,
-            ledger_args.expert_layout_request_timeout,
-        )
-        content_settings.export_content_check(ledger_args.expert_layout_content_check)
-    except (ledger_paths.LedgerSettingError, content_settings.ContentSettingError) as exc:
+        settings.export_daemon_flags(ledger_args)
+    except settings.SettingError as exc:
         ledger_parser.error(str(exc))
     daemon_hooks.install_daemon_hooks()
 

@@ -135,7 +135,7 @@ def _current_status_and_client() -> tuple[RankLayoutStatus, RankLayoutClient | N
 
     session = current_session()
     status = rank_status(weight_source(), session)
-    if not status.on_record:
+    if session is None or not status.on_record:
         return status, None
     return status, DaemonClient(session.socket_path, session.engine_id)
 

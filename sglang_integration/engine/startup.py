@@ -69,7 +69,7 @@ from layout_ledger.core.startup_verdict import (
 from layout_ledger.wire.protocol import LayoutView, Outcome
 from sglang_integration.engine import client
 from sglang_integration.engine.startup_repair import StartupRank, read_content, settle
-from sglang_integration.settings import content_check
+from sglang_integration.settings import WAIT_TIMEOUT, content_check
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +77,6 @@ HOOK_TARGET = (
     "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_expert_location_metadata"
 )
 
-# Seconds a rank waits for another engine's pending move to end before the engine fails.
-WAIT_TIMEOUT_ENV = "SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT"
-DEFAULT_WAIT_TIMEOUT = 300.0
 # How often a waiting rank asks its daemon again.
 POLL_INTERVAL = 0.5
 
@@ -245,27 +242,42 @@ def read_daemon(
     Returns the finding and the attachment (its connection still open when the daemon accepted
     it). A RECORD finding's map hashes to its digest (checked here).
     """
-    where = {"rank": rank, "socket_path": socket_path, "initial_digest": initial_digest}
+
+    def found(kind: FindingKind, reason: str | None) -> RankFinding:
+        return RankFinding(
+            rank=rank,
+            kind=kind,
+            socket_path=socket_path,
+            initial_digest=initial_digest,
+            reason=reason,
+        )
+
     attachment: client.Attachment | None = None
     try:
-        timeout = configured_wait_timeout() if wait_timeout is None else wait_timeout
+        timeout = WAIT_TIMEOUT.read() if wait_timeout is None else wait_timeout
         attachment = client.attach(socket_path, engine_id)
         reply = attachment.reply
         kind = _KIND_OF_ATTACH_OUTCOME.get(reply.outcome)
         if kind is not None:
-            return RankFinding(kind=kind, reason=reply.reason, **where), attachment
+            return found(kind, reply.reason), attachment
         if reply.outcome is not Outcome.OK or reply.layout is None:
             reason = f"attach {reply.outcome.value}: {reply.reason}"
-            return RankFinding(kind=FindingKind.UNREADABLE, reason=reason, **where), attachment
+            return found(FindingKind.UNREADABLE, reason), attachment
         layout = _wait_for_pending_move(socket_path, reply.layout, timeout, poll_interval)
     except Exception as exc:  # every rank must reach the all-gather
         logger.exception("Reading the expert layout of the daemon at %s failed", socket_path)
         reason = f"{type(exc).__name__}: {exc}"
-        return RankFinding(kind=FindingKind.UNREADABLE, reason=reason, **where), attachment
+        return found(FindingKind.UNREADABLE, reason), attachment
     if isinstance(layout, _WaitFailure):
-        return RankFinding(kind=layout.kind, reason=layout.reason, **where), attachment
-    still_pending = f" after {timeout:g} s ({WAIT_TIMEOUT_ENV})"
-    return finding_from_layout(layout, still_pending=still_pending, **where), attachment
+        return found(layout.kind, layout.reason), attachment
+    finding = finding_from_layout(
+        layout,
+        rank=rank,
+        socket_path=socket_path,
+        initial_digest=initial_digest,
+        still_pending=f" after {timeout:g} s ({WAIT_TIMEOUT.env})",
+    )
+    return finding, attachment
 
 
 _KIND_OF_ATTACH_OUTCOME = {
@@ -297,7 +309,7 @@ def _wait_for_pending_move(
         socket_path,
         pending.base_version,
         timeout,
-        WAIT_TIMEOUT_ENV,
+        WAIT_TIMEOUT.env,
     )
     deadline = time.monotonic() + timeout
     while layout.pending is not None and not layout.dirty:
@@ -319,31 +331,17 @@ def _wait_for_pending_move(
     return layout
 
 
-def configured_wait_timeout() -> float:
-    """``SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT`` in seconds (default 300); raise on a bad value."""
-    raw = os.environ.get(WAIT_TIMEOUT_ENV)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_WAIT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{WAIT_TIMEOUT_ENV}={raw!r} is not a finite number of seconds >= 0")
-    return value
-
-
 def daemon_socket_path(gpu_id: int) -> str:
     """The socket the IPC loader connects to (ipc_loader.py:458-460, loader.py:4289-4291)."""
     from sglang.srt.runtime_context import get_model
 
     configured = get_model().weight_cache_socket
     if configured is not None:
-        return configured
+        return str(configured)
     from sglang.srt.platforms import current_platform
     from sglang.srt.weight_cache.protocol import get_socket_path
 
-    return get_socket_path(current_platform.get_device_uuid(int(gpu_id)))
+    return str(get_socket_path(current_platform.get_device_uuid(int(gpu_id))))
 
 
 def _expert_rank() -> int:
@@ -352,7 +350,7 @@ def _expert_rank() -> int:
 
     parallel = get_parallel()
     offset = parallel.ep_join_rank_offset if get_exec().moe.is_ep_scale_joiner else 0
-    return parallel.moe_ep_rank + offset
+    return int(parallel.moe_ep_rank + offset)
 
 
 def _world_group() -> Any:

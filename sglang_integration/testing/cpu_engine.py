@@ -103,10 +103,10 @@ def release_forkserver() -> None:
 
     server = getattr(forkserver, "_forkserver", None)
     alive_fd = getattr(server, "_forkserver_alive_fd", None)
-    if isinstance(alive_fd, int):
+    if server is not None and isinstance(alive_fd, int):
         with contextlib.suppress(OSError):
             os.close(alive_fd)
-        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+        server._forkserver_alive_fd = None
 
 
 def free_port() -> int:

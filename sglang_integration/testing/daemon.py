@@ -64,16 +64,10 @@ from layout_ledger.core.layout import Geometry, trivial_map
 from layout_ledger.core.record import LayoutRecord
 from layout_ledger.store.ledger import Ledger
 from layout_ledger.store.origin import IncarnationOrigin
-from layout_ledger.store.retention import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Retention
+from layout_ledger.store.retention import Retention
 from layout_ledger.wire.service import LayoutService
-from sglang_integration.daemon import ledger_paths
-from sglang_integration.settings import (
-    CHOICES,
-    CONTENT_CHECK_ENV,
-    ContentCheck,
-    content_check,
-    parse_content_check,
-)
+from sglang_integration import settings
+from sglang_integration.settings import CONTENT_CHECK, REQUEST_TIMEOUT, ContentCheck
 from sglang_integration.testing.expert_files import ExpertFilesError
 
 logger = logging.getLogger(__name__)
@@ -117,19 +111,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--expert-rank", type=int, default=0, metavar="R")
     parser.add_argument(
         "--expert-layout-content-check",
-        choices=CHOICES,
+        choices=settings.CHOICES,
         default=None,
-        help=f"enforce, warn or off (default: {CONTENT_CHECK_ENV}, else enforce)",
+        help=f"enforce, warn or off (default: {CONTENT_CHECK.env}, else "
+        f"{CONTENT_CHECK.default_text})",
     )
-    parser.add_argument("--keep-versions", type=int, default=DEFAULT_KEEP_VERSIONS)
-    parser.add_argument("--prune-every", type=int, default=DEFAULT_PRUNE_EVERY)
+    parser.add_argument("--keep-versions", type=int, default=settings.DEFAULT_KEEP_VERSIONS)
+    parser.add_argument("--prune-every", type=int, default=settings.DEFAULT_PRUNE_EVERY)
     parser.add_argument(
         "--request-timeout",
-        type=float,
         default=None,
         metavar="SECONDS",
         help="seconds a client has for its whole request, and again for its reply "
-        "(default: SGLANG_EXPERT_LAYOUT_REQUEST_TIMEOUT, else 5)",
+        f"(default: {REQUEST_TIMEOUT.env}, else {REQUEST_TIMEOUT.default_text})",
     )
     parser.add_argument("--log-level", default="INFO")
     origin = parser.add_argument_group(
@@ -144,9 +138,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--ledger is required (or pass --no-record / --in-memory)")
     try:
         if args.request_timeout is None:
-            args.request_timeout = ledger_paths.request_timeout_from_env()
-        ledger_paths.check_request_timeout(args.request_timeout, "--request-timeout")
-    except ledger_paths.LedgerSettingError as exc:
+            args.request_timeout = REQUEST_TIMEOUT.read()
+        else:
+            args.request_timeout = REQUEST_TIMEOUT.parse(args.request_timeout, "--request-timeout")
+    except settings.SettingError as exc:
         parser.error(str(exc))
     return args
 
@@ -229,7 +224,7 @@ def open_layout_service(
 ) -> tuple[LayoutService, Ledger | None]:
     """The daemon's record as ``--no-record`` / ``--in-memory`` / ``--ledger`` ask, with the
     expert files' content when ``--experts`` names them."""
-    from sglang_integration.daemon.hooks import (
+    from sglang_integration.daemon.record_opening import (
         check_loaded_content,
         config_fingerprint,
         loaded_fingerprints,
@@ -274,8 +269,10 @@ def open_layout_service(
 
 def content_mode(args: argparse.Namespace) -> ContentCheck:
     if args.expert_layout_content_check is not None:
-        return parse_content_check(args.expert_layout_content_check)
-    return content_check()
+        return settings.content_check_mode(
+            args.expert_layout_content_check, "--expert-layout-content-check"
+        )
+    return settings.content_check()
 
 
 def remove_stale_socket(socket_path: str) -> None:
@@ -305,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # As sglang's run_weight_cache_daemon does (daemon.py:642-644): die with the parent.
     kill_itself_when_parent_died()
-    from sglang_integration.daemon.hooks import install_daemon_hooks, set_daemon_layout
+    from sglang_integration.daemon.hooks import install_daemon_hooks
+    from sglang_integration.daemon.layout_side import set_daemon_layout
 
     geometry = Geometry(
         num_layers=args.num_layers,
@@ -330,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         daemon.serve()
     except BaseException:
         if not args.without_plugin:
-            from sglang_integration.daemon.hooks import close_daemon_layout
+            from sglang_integration.daemon.layout_side import close_daemon_layout
 
             close_daemon_layout(daemon)
         raise

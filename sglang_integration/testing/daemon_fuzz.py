@@ -280,8 +280,8 @@ class FuzzSession:
                 reply = self.shadow.handle(message)
                 return Expected("layout", reply, _minus(self.journal.counts(), before), kind)
             if kind == msg.FETCH_STATE and self.config_matches(message):
-                reply = self.shadow.check_fetch(message)
-                return Expected("fetch", reply, _minus(self.journal.counts(), before), kind)
+                refusal = self.shadow.check_fetch(message)
+                return Expected("fetch", refusal, _minus(self.journal.counts(), before), kind)
         return Expected("other")
 
     def config_matches(self, message: dict[str, Any]) -> bool:
