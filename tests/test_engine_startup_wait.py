@@ -1,7 +1,7 @@
-"""How long a starting rank waits for another engine's pending move (DESIGN.md "Engine side").
+"""How long a starting rank waits for another engine's pending move (``settings.WAIT_TIMEOUT``).
 
 The daemon is a scripted peer on a real Unix socket whose layout always shows another engine's
-move pending. The clock is the one stand-in: ``engine_startup``'s ``time`` is a virtual clock,
+move pending. The clock is the one stand-in: ``engine.startup``'s ``time`` is a virtual clock,
 so the 300 s default is waited out in virtual seconds (its ``sleep`` advances it) while every
 poll is a real ``expert_layout_query`` over the socket.
 """
