@@ -119,15 +119,17 @@ class Setting(Generic[T]):
     def export(self, raw: str | None, name: str | None = None) -> None:
         """Check a flag's value and hand it to this process and every daemon it spawns.
 
-        ``name`` is what an error calls it (the flag by default); None leaves it unchanged.
+        ``raw`` None (the flag not given) leaves the environment as it is; ``name`` is what an
+        error calls the value (the flag by default).
         """
         if raw is None:
             return
         value = self.parse(raw, name or self.flag or self.env)
-        os.environ[self.env] = _text(value)
+        os.environ[self.env] = repr(value) if isinstance(value, float) else _text(value)
 
 
 def _text(value: object) -> str:
+    """A value as people read it (a float without trailing zeros, an enum by its value)."""
     if isinstance(value, enum.Enum):
         return str(value.value)
     if isinstance(value, float):

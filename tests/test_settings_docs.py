@@ -86,3 +86,10 @@ def test_the_launcher_help_names_every_flag_its_variable_and_default(
     for flag, setting in settings.DAEMON_FLAGS:
         assert flag in text
         assert f"(env {setting.env}; default {setting.default_text})" in text
+
+
+def test_the_cli_names_the_engines_wait_timeout_as_the_settings_do() -> None:
+    # The CLI cannot import the plugin; it repeats the variable's name, and must repeat it right.
+    from layout_ledger.cli import fleet
+
+    assert settings.WAIT_TIMEOUT.env == fleet.WAIT_TIMEOUT_ENV
