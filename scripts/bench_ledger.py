@@ -37,12 +37,15 @@ from layout_ledger.core.layout import Geometry, row_json, trivial_map
 from layout_ledger.core.record import LayoutRecord
 from layout_ledger.history.reader import LedgerReader
 from layout_ledger.store.ledger import Ledger
-from layout_ledger.store.retention import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Retention
+from layout_ledger.store.retention import Retention
 from layout_ledger.store.rows import current_version, incarnation, map_at
 from layout_ledger.wire.protocol import pending_to_wire
+from sglang_integration.settings import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY
 
 GEOMETRY = Geometry(num_layers=58, num_physical_slots=288, num_logical_experts=256)
 ALL_LAYERS = list(range(GEOMETRY.num_layers))
+# What a daemon prunes by itself with the default settings.
+DAEMON_RETENTION = Retention(keep_versions=DEFAULT_KEEP_VERSIONS, prune_every=DEFAULT_PRUNE_EVERY)
 
 
 class JsonFileJournal:
@@ -140,7 +143,7 @@ def bench_commit(workdir: Path, commits: int) -> dict[str, list[float]]:
     rng = random.Random(1)
     chunks = [random_rows(rng, ALL_LAYERS) for _ in range(commits)]
     initial = trivial_map(58, 288, 256)
-    ledger = Ledger.open(workdir / "commit.sqlite")
+    ledger = Ledger.open(workdir / "commit.sqlite", DAEMON_RETENTION)
     records = {
         "ledger (SQLite, WAL, synchronous=FULL)": ledger.start_incarnation(GEOMETRY, initial),
         "in-memory record (no persistence)": LayoutRecord.in_memory(GEOMETRY, initial),
@@ -263,7 +266,7 @@ def bench_row_bytes(workdir: Path, commits: int) -> float:
 
 def bench_week(workdir: Path, commits: int) -> tuple[int, int]:
     path = workdir / "week.sqlite"
-    ledger = Ledger.open(path)
+    ledger = Ledger.open(path, DAEMON_RETENTION)
     record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
     record.attach("engine")
     rng = random.Random(4)
@@ -331,7 +334,7 @@ def bench_refusal_flood(workdir: Path, refusals: int) -> tuple[int, float]:
     from layout_ledger.core.errors import RequestRefused
 
     path = workdir / "flood.sqlite"
-    ledger = Ledger.open(path)
+    ledger = Ledger.open(path, DAEMON_RETENTION)
     record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
     record.attach("engine")
     ledger.checkpoint(truncate=True)

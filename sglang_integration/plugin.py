@@ -1,25 +1,34 @@
 """The SGLang plugin entry point: ``register()`` (setup.cfg, group ``sglang.srt.plugins``).
 
-sglang's ``load_plugins()`` calls ``register()`` early in every engine process (engine.py:286
-and :1159, scheduler.py:6323, ...) and then ``HookRegistry.apply_hooks()``. It registers, all
-``HookType.AROUND``:
-
-- engine startup: ``ModelRunner.maybe_init_expert_location_metadata`` (``engine_startup``);
-- after the weights are loaded: ``ModelRunner.load_model`` (``loaded_content``: every slot holds
-  the expert the layout names);
-- the IPC loader: ``IpcModelLoader._fetch_from_cache`` and its ``send_msg`` / ``recv_msg``
-  bindings (``loader_hooks``);
-- rebalancing: ``EPLBManager.rebalance`` (``rebalance``);
-- ``spawn_weight_cache_daemon``, so the daemons an engine starts in ``--weight-cache-mode
-  daemon`` run with the daemon hooks (``daemon_hooks``).
-
-The daemon process itself never calls ``load_plugins()``; ``python -m sglang_integration.daemon``
-and spawned daemons install the daemon hooks with ``daemon_hooks.install_daemon_hooks()``.
+sglang's ``load_plugins()`` calls ``register()`` early in every engine process
+(``UPSTREAM_LINES``), then ``HookRegistry.apply_hooks()``. It registers, all ``HookType.AROUND``:
+engine startup (``engine.startup``), the check after the weights are loaded
+(``engine.load_check``), the IPC loader's fetch (``engine.ipc_loader``), rebalancing
+(``engine.rebalance``), and ``spawn_weight_cache_daemon``, so that the daemons an engine starts
+in ``--weight-cache-mode daemon`` run hooked (``daemon.hooks``). The daemon process itself
+never loads plugins: ``python -m sglang_integration.daemon`` and spawned daemons install the
+daemon hooks themselves.
 
 Importing this module does nothing: every import and registration happens inside ``register``.
 """
 
 from __future__ import annotations
+
+from sglang_integration.upstream_lines import UpstreamLine
+
+# Where sglang loads the plugins (tests/test_upstream_lines.py checks the lines).
+UPSTREAM_LINES = (
+    UpstreamLine("srt/entrypoints/engine.py", 286, "load_plugins()", "Engine.__init__"),
+    UpstreamLine(
+        "srt/entrypoints/engine.py",
+        1159,
+        "load_plugins()",
+        "before the engine starts its processes",
+    ),
+    UpstreamLine(
+        "srt/managers/scheduler.py", 6323, "load_plugins()", "each scheduler process (a rank)"
+    ),
+)
 
 
 def register() -> None:

@@ -1,30 +1,44 @@
-"""How strictly daemons and engines check slot content: ``enforce`` (default), ``warn``, ``off``.
+"""Every flag and environment variable of the daemon and the engine, one row each.
 
-One setting for both sides, ``SGLANG_EXPERT_LAYOUT_CONTENT_CHECK`` (the daemon launcher's
-``--expert-layout-content-check`` sets it, so the daemons it spawns see it, as the ledger
-settings travel; ``ledger_paths``):
+Each row (``Setting``) names its environment variable, the daemon launcher's flag (none for
+what only an engine reads), its default, its parser and the error a bad value gets. The rows are
+the README's settings table ("Using it with SGLang"); tests/test_settings_docs.py keeps the two
+equal. The defaults and their reasons come first, in one block.
 
-- ``enforce``: a daemon fingerprints its slots at load and at every commit; a load whose replicas
-  differ makes it dirty (it refuses ``fetch_state`` and begin). An engine checks at startup that
-  every slot holds the expert its map names, fails on every rank when one does not, and repairs
-  daemons that an engine left mid-move.
-- ``warn``: the same fingerprints and checks, but the two checks of a load only log what they
-  find: a daemon whose replicas differ stays clean, an engine whose loaded slots do not hold
-  their experts starts. Repairs still happen, and what a commit or an explicit content check
-  finds still marks the daemon dirty (the record would otherwise name content it does not have).
-- ``off``: no fingerprint is computed or recorded; a daemon answers the content check
-  ``no_record``, and an engine starts as it did before content checks existed.
+The settings travel in the environment on purpose: an engine in ``--weight-cache-mode daemon``
+and sglang's standalone launcher start each daemon with ``multiprocessing`` spawn, and a spawned
+child inherits the environment but none of the parent's parsed flags. So the launcher's flags
+are written to the environment (``export_daemon_flags``) and every reader reads that. A variable
+that is unset, empty or only blanks means the default.
 """
 
 from __future__ import annotations
 
+import argparse
 import enum
+import math
 import os
-
-CONTENT_CHECK_ENV = "SGLANG_EXPERT_LAYOUT_CONTENT_CHECK"
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 
 class ContentCheck(enum.Enum):
+    """How strictly daemons and engines check slot content (one setting for both sides).
+
+    - ``enforce``: a daemon fingerprints its slots at load and at every commit; a load whose
+      replicas differ makes it dirty (it refuses ``fetch_state`` and begin). An engine checks at
+      startup that every slot holds the expert its map names, fails on every rank when one does
+      not, and repairs daemons that an engine left mid-move.
+    - ``warn``: the same fingerprints and checks, but the two checks of a load only log what they
+      find: a daemon whose replicas differ stays clean, an engine whose loaded slots do not hold
+      their experts starts. Repairs still happen, and what a commit or an explicit content check
+      finds still marks the daemon dirty (the record would otherwise name content it does not
+      have).
+    - ``off``: no fingerprint is computed or recorded; a daemon answers the content check
+      ``no_record``, and an engine starts as it did before content checks existed.
+    """
+
     ENFORCE = "enforce"
     WARN = "warn"
     OFF = "off"
@@ -32,29 +46,246 @@ class ContentCheck(enum.Enum):
 
 CHOICES = tuple(mode.value for mode in ContentCheck)
 
+# --- Defaults, and why -----------------------------------------------------------------------
 
-class ContentSettingError(ValueError):
-    """A content check setting that is not one of ``CHOICES``."""
+# The ledger lies beside the daemon's socket, in the directory of sglang's
+# SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE (default /tmp/sglang_weight_cache_{device_uuid}.sock), so
+# moving the sockets moves the ledgers. One file per daemon, i.e. per GPU, keyed by the device
+# UUID as the socket is. The subdirectory is private (0700, created when missing, refused when
+# someone else's or loosened): sglang's default socket directory, /tmp, is world-writable.
+DEFAULT_LEDGER_BESIDE_SOCKET = "sglang_expert_layouts/sglang_expert_layout_{device_uuid}.sqlite"
+PLACEHOLDER = "{device_uuid}"
+
+# Rows of the last 1000 versions per incarnation: at one all-layer rebalance a minute, about 17
+# hours of full history (the current map and every event are kept whatever the setting; the
+# README's benchmarks give the file's size over a week).
+DEFAULT_KEEP_VERSIONS = 1000
+
+# Retention runs every 100 commits, off the request path: the rows it checks and drops per run
+# stay small, and the file holds at most 100 versions more than it keeps.
+DEFAULT_PRUNE_EVERY = 100
+
+# Seconds a client has for its whole request (from the accept) and, separately, for taking its
+# reply. An engine's exchange is a few kilobytes over a local socket and takes milliseconds; a
+# client that takes longer holds one of the daemon's connection threads until then.
+DEFAULT_REQUEST_TIMEOUT = 5.0
+
+# Seconds a starting rank waits for another engine's pending move to end before the engine
+# fails with the reason: far longer than a healthy move of a chunk takes, short enough that a
+# move left by an engine that hangs fails the start instead of hanging it.
+DEFAULT_WAIT_TIMEOUT = 300.0
+
+# Wrong content routes tokens to the wrong expert without any error: refuse it by default.
+DEFAULT_CONTENT_CHECK = ContentCheck.ENFORCE
+
+# --- The rows ----------------------------------------------------------------------------------
+
+T = TypeVar("T")
 
 
-def parse_content_check(raw: str) -> ContentCheck:
+class SettingError(ValueError):
+    """A flag or environment variable whose value cannot be used."""
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One row of the settings table: where the value comes from and how it is read."""
+
+    env: str
+    flag: str | None  # the daemon launcher's flag; None: only the environment (engine)
+    default: T
+    parse: Callable[[str, str], T]  # (text, the variable or flag it came from) -> value
+    help: str  # what it sets, as the launcher's --help says it
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def default_text(self) -> str:
+        """The default as the README's table and --help write it."""
+        return _text(self.default)
+
+    def configured(self) -> T | None:
+        """The environment's value, or None when the variable is unset or blank."""
+        raw = os.environ.get(self.env)
+        if raw is None or not raw.strip():
+            return None
+        return self.parse(raw, self.env)
+
+    def read(self) -> T:
+        """The value in force: the environment's (set by the launcher's flag), else the default."""
+        value = self.configured()
+        return self.default if value is None else value
+
+    def export(self, raw: str | None, name: str | None = None) -> None:
+        """Check a flag's value and hand it to this process and every daemon it spawns.
+
+        ``raw`` None (the flag not given) leaves the environment as it is; ``name`` is what an
+        error calls the value (the flag by default).
+        """
+        if raw is None:
+            return
+        value = self.parse(raw, name or self.flag or self.env)
+        os.environ[self.env] = repr(value) if isinstance(value, float) else _text(value)
+
+
+def _text(value: object) -> str:
+    """A value as people read it (a float without trailing zeros, an enum by its value)."""
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+# --- Parsers: text -> value, or SettingError naming where the text came from -------------------
+
+
+def check_ledger_template(template: str, name: str = "") -> str:
+    """A ledger template with ``{device_uuid}`` and no other placeholder (the message names the
+    variable and the flag both, whichever ``name`` it came from)."""
+    if PLACEHOLDER not in template:
+        raise SettingError(
+            f"the expert layout ledger template {template!r} must contain '{PLACEHOLDER}': each "
+            f"daemon (one per GPU) needs its own ledger file, and a second daemon on one file "
+            f"cannot start (set {LEDGER_TEMPLATE.env} or {LEDGER_TEMPLATE.flag})"
+        )
+    try:
+        template.format(device_uuid="GPU")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise SettingError(
+            f"the expert layout ledger template {template!r} has a placeholder other than "
+            f"'{PLACEHOLDER}' ({exc!r}); use only '{PLACEHOLDER}'"
+        ) from exc
+    return template
+
+
+def positive_int(raw: str, name: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise SettingError(f"{name}={raw!r} must be a positive integer")
+    return value
+
+
+def positive_seconds(raw: str, name: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise SettingError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def seconds_from_zero(raw: str, name: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise SettingError(f"{name}={raw!r} is not a finite number of seconds >= 0")
+    return value
+
+
+def content_check_mode(raw: str, name: str) -> ContentCheck:
     try:
         return ContentCheck(raw.strip().lower())
     except ValueError:
-        raise ContentSettingError(
-            f"{CONTENT_CHECK_ENV}={raw!r} is not one of {', '.join(CHOICES)}"
-        ) from None
+        raise SettingError(f"{name}={raw!r} is not one of {', '.join(CHOICES)}") from None
+
+
+LEDGER_TEMPLATE: Setting[str] = Setting(
+    env="SGLANG_EXPERT_LAYOUT_LEDGER_TEMPLATE",
+    flag="--expert-layout-ledger",
+    default=DEFAULT_LEDGER_BESIDE_SOCKET,  # in the socket template's directory
+    parse=check_ledger_template,
+    help="path template of the expert layout ledger, with {device_uuid}; the default lies in "
+    "the daemon socket's directory, and its subdirectory is private",
+    metavar="TEMPLATE",
+)
+KEEP_VERSIONS: Setting[int] = Setting(
+    env="SGLANG_EXPERT_LAYOUT_KEEP_VERSIONS",
+    flag="--expert-layout-keep-versions",
+    default=DEFAULT_KEEP_VERSIONS,
+    parse=positive_int,
+    help="keep the layout rows of the last N versions",
+    metavar="N",
+)
+PRUNE_EVERY: Setting[int] = Setting(
+    env="SGLANG_EXPERT_LAYOUT_PRUNE_EVERY",
+    flag="--expert-layout-prune-every",
+    default=DEFAULT_PRUNE_EVERY,
+    parse=positive_int,
+    help="prune the ledger every N commits",
+    metavar="N",
+)
+REQUEST_TIMEOUT: Setting[float] = Setting(
+    env="SGLANG_EXPERT_LAYOUT_REQUEST_TIMEOUT",
+    flag="--expert-layout-request-timeout",
+    default=DEFAULT_REQUEST_TIMEOUT,
+    parse=positive_seconds,
+    help="seconds a client has to send its whole request (from the accept), and again to take "
+    "its reply, before the daemon drops the connection",
+    metavar="SECONDS",
+)
+WAIT_TIMEOUT: Setting[float] = Setting(
+    env="SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT",
+    flag=None,
+    default=DEFAULT_WAIT_TIMEOUT,
+    parse=seconds_from_zero,
+    help="seconds an engine rank waits at startup for another engine's pending move to end",
+)
+CONTENT_CHECK: Setting[ContentCheck] = Setting(
+    env="SGLANG_EXPERT_LAYOUT_CONTENT_CHECK",
+    flag="--expert-layout-content-check",
+    default=DEFAULT_CONTENT_CHECK,
+    parse=content_check_mode,
+    help="fingerprint the expert slots at load and at each commit, and refuse to serve a load "
+    "whose replicas differ (enforce), only log it (warn), or record no fingerprints (off)",
+    choices=CHOICES,
+)
+
+# Every row, in the README table's order.
+SETTINGS: tuple[Setting[Any], ...] = (
+    LEDGER_TEMPLATE,
+    KEEP_VERSIONS,
+    PRUNE_EVERY,
+    REQUEST_TIMEOUT,
+    WAIT_TIMEOUT,
+    CONTENT_CHECK,
+)
+# (flag, row) of every row the daemon launcher has a flag for.
+DAEMON_FLAGS = tuple((setting.flag, setting) for setting in SETTINGS if setting.flag is not None)
 
 
 def content_check() -> ContentCheck:
-    """The mode in force: the environment (set by the launcher's flag), else ``enforce``."""
-    raw = os.environ.get(CONTENT_CHECK_ENV)
-    if raw is None or raw.strip() == "":
-        return ContentCheck.ENFORCE
-    return parse_content_check(raw)
+    """The content check in force (daemons and engines)."""
+    return CONTENT_CHECK.read()
 
 
-def export_content_check(mode: str | None) -> None:
-    """Hand the launcher's flag to this process and every daemon it spawns (None: unchanged)."""
-    if mode is not None:
-        os.environ[CONTENT_CHECK_ENV] = parse_content_check(mode).value
+# --- The daemon launcher's flags -------------------------------------------------------------
+
+
+def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
+    """The launcher's ``--expert-layout-*`` flags, one per row that has one."""
+    for flag, setting in DAEMON_FLAGS:
+        parser.add_argument(
+            flag,
+            default=None,
+            metavar=setting.metavar,
+            choices=setting.choices,
+            help=f"{setting.help} (env {setting.env}; default {setting.default_text})",
+        )
+
+
+def export_daemon_flags(args: argparse.Namespace) -> None:
+    """Hand the flags given to this process and every daemon it spawns; raise ``SettingError``
+    (before anything starts) for a bad one."""
+    for flag, setting in DAEMON_FLAGS:
+        setting.export(getattr(args, _dest(flag)))
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")

@@ -283,6 +283,7 @@ def _load_hook_check(directory: str) -> None:
 
     from layout_ledger.core.layout import Geometry
     from sglang_integration.daemon import hooks as daemon_hooks
+    from sglang_integration.daemon import layout_side
     from sglang_integration.testing.daemon import build_model_less_daemon, model_less_cache_config
     from sglang_integration.testing.daemon_control import redirect_output
 
@@ -309,11 +310,11 @@ def _load_hook_check(directory: str) -> None:
     )
     daemon.server_args = server_args
     daemon_hooks.around_load(load, daemon)
-    service = daemon_hooks.daemon_layout(daemon).service
+    service = layout_side.daemon_layout(daemon).service
     first = service.handle({"type": msg.CONTENT_CHECK})
     routed[2][0][3] = routed[2][0][0]  # slot 3 of layer 2 now holds slot 0's expert
     second = service.handle({"type": msg.CONTENT_CHECK})
-    daemon_hooks.close_daemon_layout(daemon)
+    layout_side.close_daemon_layout(daemon)
     (root / "result.json").write_text(
         json.dumps(
             {

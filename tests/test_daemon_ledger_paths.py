@@ -8,26 +8,31 @@ from collections.abc import Iterator
 
 import pytest
 
-from layout_ledger.store.retention import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Retention
+from layout_ledger.store.retention import Retention
+from sglang_integration import settings
 from sglang_integration.daemon import ledger_paths
-from sglang_integration.daemon.launcher import add_ledger_args
-from sglang_integration.daemon.ledger_paths import LedgerSettingError
+from sglang_integration.daemon.record_opening import daemon_retention
+from sglang_integration.settings import (
+    DEFAULT_KEEP_VERSIONS,
+    DEFAULT_PRUNE_EVERY,
+    KEEP_VERSIONS,
+    LEDGER_TEMPLATE,
+    PRUNE_EVERY,
+    REQUEST_TIMEOUT,
+    SettingError,
+    add_daemon_flags,
+    export_daemon_flags,
+)
 
 SOCKET_ENV = "SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"
 
 
-NAMES = (
-    SOCKET_ENV,
-    ledger_paths.LEDGER_TEMPLATE_ENV,
-    ledger_paths.KEEP_VERSIONS_ENV,
-    ledger_paths.PRUNE_EVERY_ENV,
-    ledger_paths.REQUEST_TIMEOUT_ENV,
-)
+NAMES = (SOCKET_ENV, *(setting.env for setting in settings.SETTINGS))
 
 
 @pytest.fixture(autouse=True)
 def clean_env() -> Iterator[None]:
-    """None of the settings set; whatever a test (or export_settings) sets is undone."""
+    """None of the settings set; whatever a test (or export_daemon_flags) sets is undone."""
     saved = {name: os.environ.pop(name, None) for name in NAMES}
     yield
     for name, value in saved.items():
@@ -52,16 +57,16 @@ def test_the_ledger_follows_a_moved_socket_template(monkeypatch: pytest.MonkeyPa
 
 def test_the_env_var_overrides_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SOCKET_ENV, "/run/wc/{device_uuid}.sock")
-    monkeypatch.setenv(ledger_paths.LEDGER_TEMPLATE_ENV, "/var/lib/ledgers/{device_uuid}.db")
+    monkeypatch.setenv(LEDGER_TEMPLATE.env, "/var/lib/ledgers/{device_uuid}.db")
     assert ledger_paths.ledger_path("GPU-9") == "/var/lib/ledgers/GPU-9.db"
 
 
 def test_the_launcher_flag_overrides_the_env_var_for_this_process_and_its_children(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(ledger_paths.LEDGER_TEMPLATE_ENV, "/from/env/{device_uuid}.db")
+    monkeypatch.setenv(LEDGER_TEMPLATE.env, "/from/env/{device_uuid}.db")
     parser = argparse.ArgumentParser()
-    add_ledger_args(parser)
+    add_daemon_flags(parser)
     args, rest = parser.parse_known_args(
         [
             "--model-path",
@@ -75,11 +80,9 @@ def test_the_launcher_flag_overrides_the_env_var_for_this_process_and_its_childr
         ]
     )
     assert rest == ["--model-path", "m"]  # everything else goes to sglang's parser
-    ledger_paths.export_settings(
-        args.expert_layout_ledger, args.expert_layout_keep_versions, args.expert_layout_prune_every
-    )
+    export_daemon_flags(args)
     assert ledger_paths.ledger_path("GPU-1") == "/from/flag/GPU-1.db"
-    assert ledger_paths.retention_from_env() == Retention(keep_versions=7, prune_every=3)
+    assert daemon_retention() == Retention(keep_versions=7, prune_every=3)
 
 
 @pytest.mark.parametrize(
@@ -93,44 +96,44 @@ def test_the_launcher_flag_overrides_the_env_var_for_this_process_and_its_childr
 def test_a_template_without_the_device_placeholder_or_with_another_is_refused(
     template: str, why: str
 ) -> None:
-    with pytest.raises(LedgerSettingError, match=why.replace("{", r"\{").replace("}", r"\}")):
+    with pytest.raises(SettingError, match=why.replace("{", r"\{").replace("}", r"\}")):
         ledger_paths.ledger_path("GPU-1", template)
-    with pytest.raises(LedgerSettingError):
-        ledger_paths.export_settings(template)
+    with pytest.raises(SettingError):
+        LEDGER_TEMPLATE.export(template)
 
 
-def test_retention_defaults_to_the_ledger_librarys_and_rejects_nonsense(
+def test_retention_defaults_to_the_settings_and_rejects_nonsense(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert ledger_paths.retention_from_env() == Retention(
+    assert daemon_retention() == Retention(
         keep_versions=DEFAULT_KEEP_VERSIONS, prune_every=DEFAULT_PRUNE_EVERY
     )
     for bad in ("0", "-3", "many"):
-        monkeypatch.setenv(ledger_paths.KEEP_VERSIONS_ENV, bad)
-        with pytest.raises(LedgerSettingError, match=ledger_paths.KEEP_VERSIONS_ENV):
-            ledger_paths.retention_from_env()
-    with pytest.raises(LedgerSettingError):
-        ledger_paths.export_settings(prune_every=0)
+        monkeypatch.setenv(KEEP_VERSIONS.env, bad)
+        with pytest.raises(SettingError, match=KEEP_VERSIONS.env):
+            daemon_retention()
+    with pytest.raises(SettingError):
+        PRUNE_EVERY.export("0")
 
 
 def test_the_request_timeout_is_5_s_unless_the_launcher_flag_or_env_var_says_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert ledger_paths.request_timeout_from_env() == 5.0
-    monkeypatch.setenv(ledger_paths.REQUEST_TIMEOUT_ENV, "2.5")
-    assert ledger_paths.request_timeout_from_env() == 2.5
+    assert REQUEST_TIMEOUT.read() == 5.0
+    monkeypatch.setenv(REQUEST_TIMEOUT.env, "2.5")
+    assert REQUEST_TIMEOUT.read() == 2.5
     parser = argparse.ArgumentParser()
-    add_ledger_args(parser)
+    add_daemon_flags(parser)
     args, _ = parser.parse_known_args(["--expert-layout-request-timeout", "0.75"])
-    ledger_paths.export_settings(request_timeout=args.expert_layout_request_timeout)
-    assert os.environ[ledger_paths.REQUEST_TIMEOUT_ENV] == "0.75"  # what spawned daemons read
-    assert ledger_paths.request_timeout_from_env() == 0.75
+    export_daemon_flags(args)
+    assert os.environ[REQUEST_TIMEOUT.env] == "0.75"  # what spawned daemons read
+    assert REQUEST_TIMEOUT.read() == 0.75
     for bad in ("0", "-1", "soon", "nan", "inf"):
-        monkeypatch.setenv(ledger_paths.REQUEST_TIMEOUT_ENV, bad)
-        with pytest.raises(LedgerSettingError, match=ledger_paths.REQUEST_TIMEOUT_ENV):
-            ledger_paths.request_timeout_from_env()
-    with pytest.raises(LedgerSettingError):
-        ledger_paths.export_settings(request_timeout=0.0)
+        monkeypatch.setenv(REQUEST_TIMEOUT.env, bad)
+        with pytest.raises(SettingError, match=REQUEST_TIMEOUT.env):
+            REQUEST_TIMEOUT.read()
+    with pytest.raises(SettingError):
+        REQUEST_TIMEOUT.export("0.0")
 
 
 def test_the_launcher_refuses_a_bad_ledger_template_before_starting_anything(
@@ -142,7 +145,7 @@ def test_the_launcher_refuses_a_bad_ledger_template_before_starting_anything(
         main(["--model-path", "m", "--expert-layout-ledger", "/var/lib/one-ledger.sqlite"])
     assert exit_info.value.code == 2
     assert "must contain '{device_uuid}'" in capsys.readouterr().err
-    assert ledger_paths.LEDGER_TEMPLATE_ENV not in os.environ
+    assert LEDGER_TEMPLATE.env not in os.environ
 
 
 def test_the_daemon_makes_the_default_ledger_directory_private(
@@ -154,6 +157,6 @@ def test_the_daemon_makes_the_default_ledger_directory_private(
     path = ledger_paths.prepare_ledger_path("GPU-7")
     assert path == f"{tmp_path}/sglang_expert_layouts/sglang_expert_layout_GPU-7.sqlite"
     assert stat.S_IMODE(os.stat(tmp_path / "sglang_expert_layouts").st_mode) == 0o700
-    monkeypatch.setenv(ledger_paths.LEDGER_TEMPLATE_ENV, f"{tmp_path}/mine/{{device_uuid}}.db")
+    monkeypatch.setenv(LEDGER_TEMPLATE.env, f"{tmp_path}/mine/{{device_uuid}}.db")
     assert ledger_paths.prepare_ledger_path("GPU-7") == f"{tmp_path}/mine/GPU-7.db"
     assert not (tmp_path / "mine").exists()  # a chosen location is the operator's to prepare

@@ -85,7 +85,8 @@ def _server_args(directory: Path, enable_eplb: bool) -> Any:
 
 
 def _cpu_part_of_load(server_args: Any) -> Any:
-    """The steps of ``WeightCacheDaemon.load`` (daemon.py:279-326) a CPU can run."""
+    """The steps of ``WeightCacheDaemon.load`` a CPU can run: from its ``server_args =
+    self.server_args`` to its ``_initialize_eplb_expert_location_metadata`` call."""
 
     def load(daemon: Any) -> None:
         from sglang.srt.configs.model_config import ModelConfig
@@ -163,6 +164,7 @@ def _load_and_spawn_check(directory: str) -> None:
     from layout_ledger.history.reader import LedgerReader
     from layout_ledger.store.rows import incarnation
     from sglang_integration.daemon import hooks as daemon_hooks
+    from sglang_integration.daemon import layout_side
     from sglang_integration.testing.daemon import build_model_less_daemon, model_less_cache_config
 
     server_args = _server_args(root, enable_eplb=True)
@@ -187,11 +189,11 @@ def _load_and_spawn_check(directory: str) -> None:
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
     metadata = get_global_expert_location_metadata()
-    layout = daemon_hooks.daemon_layout(daemon)
+    layout = layout_side.daemon_layout(daemon)
     assert layout is not None and layout.service.record is not None
     attach = layout.service.handle({"type": "expert_layout_attach", "engine_id": "engine-A"})
     ledger_files = sorted(p.name for p in root.glob("ledger-*.sqlite"))
-    daemon_hooks.close_daemon_layout(daemon)
+    layout_side.close_daemon_layout(daemon)
     with LedgerReader(root / ledger_files[0]) as reader:
         state = reader.state()
         with reader.connect() as conn:
@@ -274,6 +276,7 @@ def _no_eplb_check(directory: str) -> None:
     )
     from layout_ledger.core.layout import Geometry
     from sglang_integration.daemon import hooks as daemon_hooks
+    from sglang_integration.daemon import layout_side
     from sglang_integration.testing.daemon import build_model_less_daemon, model_less_cache_config
 
     server_args = _server_args(root, enable_eplb=False)
@@ -281,13 +284,13 @@ def _no_eplb_check(directory: str) -> None:
         str(root / "d.sock"), model_less_cache_config(Geometry(1, 1, 1))
     )
     daemon_hooks.around_load(_cpu_part_of_load(server_args), daemon)
-    layout = daemon_hooks.daemon_layout(daemon)
+    layout = layout_side.daemon_layout(daemon)
     assert layout is not None
     replies = [
         layout.service.handle({"type": "expert_layout_attach", "engine_id": "engine-A"}),
         layout.service.handle({"type": "expert_layout_query"}),
     ]
-    daemon_hooks.close_daemon_layout(daemon)
+    layout_side.close_daemon_layout(daemon)
     (root / "result.json").write_text(
         json.dumps(
             {

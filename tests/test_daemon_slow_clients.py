@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from layout_ledger.wire import protocol as msg
-from sglang_integration.daemon import ledger_paths
+from sglang_integration import settings
 from sglang_integration.engine import client
 from sglang_integration.testing.daemon import parse_args
 from sglang_integration.testing.daemon_control import DaemonProcess, request, start_daemon
@@ -240,7 +240,7 @@ def test_with_the_default_deadline_a_query_is_answered_within_10_s_beside_slow_a
         daemon.stop()
     assert state["status"] == msg.OK
     assert answered < 10.0
-    assert ledger_paths.DEFAULT_REQUEST_TIMEOUT == 5.0
+    assert settings.DEFAULT_REQUEST_TIMEOUT == 5.0
     assert 4.5 <= silent_dropped < 8.0
 
 
@@ -249,9 +249,9 @@ def test_the_model_less_daemon_takes_its_deadline_from_the_flag_else_the_env_var
 ) -> None:
     argv = ["--socket", "s", "--ledger", "l", "--num-layers", "1"]
     argv += ["--num-logical-experts", "1", "--num-physical-experts", "1"]
-    monkeypatch.delenv(ledger_paths.REQUEST_TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv(settings.REQUEST_TIMEOUT.env, raising=False)
     assert parse_args(argv).request_timeout == 5.0
-    monkeypatch.setenv(ledger_paths.REQUEST_TIMEOUT_ENV, "0.25")
+    monkeypatch.setenv(settings.REQUEST_TIMEOUT.env, "0.25")
     assert parse_args(argv).request_timeout == 0.25
     assert parse_args([*argv, "--request-timeout", "2"]).request_timeout == 2.0
     with pytest.raises(SystemExit):

@@ -1,4 +1,5 @@
-"""agreement.decide: one decision from every rank's finding (DESIGN.md "Engine side")."""
+"""startup_verdict.decide: one decision from every rank's finding (docs/design.md "The engine
+side")."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def test_daemons_without_record_beside_a_daemon_that_moved_experts_fail(
 
 
 def test_a_daemon_whose_moves_came_back_to_the_initial_layout_still_counts_as_moved() -> None:
-    # Version > 0 is the rule (the proposal: "fails otherwise"), not a map compare.
+    # Version > 0 is the rule ("fails otherwise"), not a map compare.
     decision = decide([record(0, 4, INITIAL), other(1, FindingKind.OLDER_DAEMON)])
     assert isinstance(decision, FailStartup)
     assert "rank 0 (daemon /run/d0.sock) at version 4" in decision.reason

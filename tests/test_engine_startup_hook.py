@@ -319,7 +319,7 @@ def _rank_main(
 
     # The one GPU stand-in below the ModelRunner: with --enable-eplb, the original method builds
     # sglang's expert distribution recorder, whose gatherers allocate their counters on the
-    # accelerator that sglang.srt.utils.get_device names (utils/common.py:1122-1126 raises on a
+    # accelerator that sglang.srt.utils.get_device names (it raises "No accelerator ..." on a
     # machine without one). Here the CPU is that accelerator.
     from sglang.srt.eplb import expert_distribution
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

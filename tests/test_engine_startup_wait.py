@@ -1,7 +1,7 @@
-"""How long a starting rank waits for another engine's pending move (DESIGN.md "Engine side").
+"""How long a starting rank waits for another engine's pending move (``settings.WAIT_TIMEOUT``).
 
 The daemon is a scripted peer on a real Unix socket whose layout always shows another engine's
-move pending. The clock is the one stand-in: ``engine_startup``'s ``time`` is a virtual clock,
+move pending. The clock is the one stand-in: ``engine.startup``'s ``time`` is a virtual clock,
 so the 300 s default is waited out in virtual seconds (its ``sleep`` advances it) while every
 poll is a real ``expert_layout_query`` over the socket.
 """
@@ -18,6 +18,7 @@ from layout_ledger.core.layout import layout_digest, trivial_map
 from layout_ledger.core.startup_verdict import FindingKind
 from layout_ledger.wire import protocol
 from sglang_integration.engine import startup as engine_startup
+from sglang_integration.settings import WAIT_TIMEOUT
 
 MAP = trivial_map(3, 10, 8)
 
@@ -56,7 +57,7 @@ def _always_pending(conn: socket.socket) -> None:
 def test_the_startup_wait_for_another_engines_move_defaults_to_300_seconds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(engine_startup.WAIT_TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv(WAIT_TIMEOUT.env, raising=False)
     clock = VirtualClock()
     monkeypatch.setattr(engine_startup, "time", clock)
     path = tmp_path / "d.sock"

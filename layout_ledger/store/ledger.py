@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 class Ledger:
     """One ledger file, owned for writing by this process."""
 
-    def __init__(self, path: Path, retention: Retention) -> None:
+    def __init__(self, path: Path, retention: Retention | None) -> None:
         self.path = path
         self.retention = retention
         self._lock = threading.RLock()
@@ -84,8 +84,9 @@ class Ledger:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], retention: Retention | None = None) -> Ledger:
-        """Open (or create) the ledger at ``path`` for writing, with ``retention`` (defaults)."""
-        return cls(Path(path), retention or Retention())
+        """Open ``path`` for writing; ``retention`` is what the ledger prunes by itself once an
+        incarnation starts (None: nothing, it keeps every version until ``prune`` is called)."""
+        return cls(Path(path), retention)
 
     # --- transactions -------------------------------------------------------------------
 
@@ -257,16 +258,17 @@ class Ledger:
             return
         with self._lock:
             self._writer.driver().execute("PRAGMA wal_autocheckpoint=0")
+        prune_every = None if self.retention is None else self.retention.prune_every
         self.maintenance = Maintenance(
-            self.path, self._prune_live_incarnation, self.retention.prune_every, self._lock
+            self.path, self._prune_live_incarnation, prune_every, self._lock
         )
 
     def _prune_live_incarnation(self) -> None:
         """The daemon's retention (maintenance thread): check what it drops, then prune."""
-        record = self.record
-        if record is None:
+        record, retention = self.record, self.retention
+        if record is None or retention is None:
             return
-        keep_from = record.version - self.retention.keep_versions + 1
+        keep_from = record.version - retention.keep_versions + 1
         if keep_from <= 0:
             return
         # Read on a read-only connection of its own, outside the writer's lock: requests go on
@@ -280,7 +282,7 @@ class Ledger:
             up_to = floor
             while up_to < keep_from and not (self.maintenance and self.maintenance.stopping):
                 up_to = min(up_to + PRUNE_STEP_VERSIONS, keep_from)
-                if not self._prune_step(reader, record.incarnation_id, up_to):
+                if not self._prune_step(reader, retention, record.incarnation_id, up_to):
                     return
         finally:
             reader.dispose()
@@ -294,7 +296,9 @@ class Ledger:
         except DBAPIError as exc:
             raise LedgerStorageError(f"reading ledger {self.path} failed: {exc.orig}") from exc
 
-    def _prune_step(self, reader: Engine, incarnation_id: int, up_to: int) -> bool:
+    def _prune_step(
+        self, reader: Engine, retention: Retention, incarnation_id: int, up_to: int
+    ) -> bool:
         """Check the versions below ``up_to``, then prune them; False (logged) if they are wrong."""
         with self._snapshot(reader) as conn:
             problem = unverified_below(conn, incarnation_id, up_to)
@@ -307,10 +311,12 @@ class Ledger:
                 self.path,
             )
             return False
-        self.prune(self.retention.keep_versions, incarnation_id, refuse_pending=False, up_to=up_to)
+        self.prune(retention.keep_versions, incarnation_id, refuse_pending=False, up_to=up_to)
         return True
 
     def _prune_quietly(self) -> None:
+        if self.retention is None:
+            return
         try:
             self.prune(self.retention.keep_versions, refuse_pending=False)
         except LedgerError as exc:

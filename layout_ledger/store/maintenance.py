@@ -2,8 +2,8 @@
 
 A commit's durability is its own fsync of the WAL; copying the WAL back into the database (a
 checkpoint) and pruning old rows are bookkeeping that must never delay a request. One background
-thread per ledger (``Maintenance``) does both, woken after appends, and ``WalPin`` reports a
-reader that keeps the WAL from being reset.
+thread per ledger (``Maintenance``) does both, woken after appends (retention only for a
+ledger opened with one), and ``WalPin`` reports a reader that keeps the WAL from being reset.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class Maintenance:
         self,
         path: Path,
         prune: Callable[[], None],
-        prune_every: int,
+        prune_every: int | None,
         writer_lock: AbstractContextManager[object],
     ) -> None:
         self.path = path
@@ -192,6 +192,9 @@ class Maintenance:
         return self._stopping
 
     def _prune_due(self) -> bool:
+        """True every ``prune_every`` commits (never without a retention)."""
+        if self._prune_every is None:
+            return False
         return self._commits - self._commits_at_prune >= self._prune_every
 
     def _run(self) -> None:

@@ -23,12 +23,6 @@ from layout_ledger.store.replay import replayed
 from layout_ledger.store.rows import Incarnation, current_version, incarnation, reconstructible_from
 from layout_ledger.store.version_walk import WalkInconsistency, check_version_digests
 
-# Retention the daemon applies by itself (see README "Retention"): every PRUNE_EVERY commits it
-# keeps the rows of the last KEEP_VERSIONS versions of each incarnation (always the current map
-# and every event). At one all-layer rebalance a minute on a 58-layer model that is ~17 hours of
-# full history and a ledger of a few tens of MiB.
-DEFAULT_KEEP_VERSIONS = 1000
-DEFAULT_PRUNE_EVERY = 100
 # The daemon's retention prunes at most this many versions per transaction, so that each step
 # holds the writer's lock briefly whatever --expert-layout-prune-every says.
 PRUNE_STEP_VERSIONS = 20
@@ -36,8 +30,15 @@ PRUNE_STEP_VERSIONS = 20
 
 @dataclass(frozen=True)
 class Retention:
-    keep_versions: int = DEFAULT_KEEP_VERSIONS
-    prune_every: int = DEFAULT_PRUNE_EVERY
+    """The automatic retention of a writer: every ``prune_every`` commits, keep the rows of the
+    last ``keep_versions`` versions of each incarnation (always the current map and every event).
+
+    No defaults here: the daemon passes the retention its settings say; a ledger opened without
+    one prunes only when asked (``Ledger.prune``, ``layout-ledger prune``).
+    """
+
+    keep_versions: int
+    prune_every: int
 
     def __post_init__(self) -> None:
         if self.keep_versions < 1 or self.prune_every < 1:

@@ -17,7 +17,8 @@ the check names in its output whenever this daemon runs:
 
 Not stood in: the ledger (``Ledger``, a real SQLite file), the record and its rules
 (``LayoutService``), the attach watcher and this package's connection hook
-(``daemon_hooks.around_handle_connection``, ``set_daemon_layout``, ``open_ledger_record``),
+(``hooks.around_handle_connection``, ``layout_side.set_daemon_layout``,
+``record_opening.open_ledger_record``),
 which receives every connection exactly as it does inside sglang's daemon.
 """
 
@@ -128,13 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     standin_framing.install()
     from layout_ledger.core.errors import LedgerError
     from layout_ledger.core.layout import Geometry, trivial_map
-    from layout_ledger.store.retention import Retention
     from layout_ledger.wire.service import LayoutService
-    from sglang_integration.daemon.hooks import (
-        close_daemon_layout,
+    from sglang_integration.daemon.layout_side import close_daemon_layout, set_daemon_layout
+    from sglang_integration.daemon.record_opening import (
         config_fingerprint,
+        daemon_retention,
         open_ledger_record,
-        set_daemon_layout,
     )
 
     geometry = Geometry(args.num_layers, args.num_physical_experts, args.num_logical_experts)
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.ledger,
             geometry,
             initial,
-            retention=Retention(),
+            retention=daemon_retention(),
             config_fingerprint=config_fingerprint({"stand_in": "one-GPU check", **vars(args)}),
             daemon_label=f"one-GPU check stand-in pid={os.getpid()} socket={args.socket}",
         )

@@ -7,8 +7,8 @@ only: dicts, lists, tuples, strings, numbers, booleans, None, bytes, which is al
 layout protocol sends) and, with :func:`install`, registers them as
 ``sglang.srt.weight_cache.protocol`` in *this process only*, so that this package's real
 engine client (``sglang_integration.engine.client``) and daemon connection hook
-(``daemon_hooks.around_handle_connection``), which import that module when they send or read a
-frame, run unchanged over it.
+(``sglang_integration.daemon.hooks.around_handle_connection``), which import that module when
+they send or read a frame, run unchanged over it.
 
 Used only by the one-GPU check's ``--daemon ledger-service`` mode, and said so in its output:
 the registered modules carry ``STANDS_IN = True`` and no other sglang attribute, so any other

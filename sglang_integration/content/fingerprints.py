@@ -2,41 +2,10 @@
 
 ``fingerprint_slots(tensors, num_slots)`` takes one MoE layer's routed-expert tensors (the list
 sglang's ``ExpertLocationUpdater`` moves: a model's ``routed_experts_weights_of_layer[layer]``,
-first dimension the layer's local physical slots) and returns one fingerprint per slot, as an
-int64 tensor of shape ``(num_slots, PARTS)`` on the tensors' device. Nothing of the weights is
-copied to the host; only the result is (``fingerprint_hex``).
-
-Definition (the same bytes give the same fingerprint in every process and on every device,
-because every step is exact integer arithmetic, whose result does not depend on the order in
-which a device adds):
-
-1. A slot's *words*: for each tensor in order, the bytes of that slot (row-major) read as
-   little-endian int32 words (int16 when a slot's bytes in that tensor are not a multiple of 4,
-   unsigned bytes when odd in number). The slot's word sequence is the tensors' words one after
-   the other, ``W`` words.
-2. *Parts*: the sequence is cut into ``PARTS`` (4) ranges, part ``k`` covering positions
-   ``[k*W//4, (k+1)*W//4)``. Each part is cut into *chunks* of at most ``CHUNK_WORDS`` (4096)
-   words, also at tensor boundaries; chunks are numbered ``c = 0, 1, ...`` within their part.
-3. A chunk's sum: ``S = sum_j w_j * T_j`` over its words ``w_j`` (``j`` from 0 within the chunk),
-   ``T`` a fixed table of odd numbers in ``[1, 1024)`` (``_Tables``). ``|S| < 2**53``, so it is
-   computed exactly as a float64 matrix-vector product: every product and partial sum is an
-   integer a float64 holds exactly, in any order of addition.
-4. A part's value in each of two lanes ``q`` (primes ``P_q`` just below ``2**31``):
-   ``sum_c (S_c mod P_q) * M_q[c] mod P_q``, ``M_q`` fixed tables in ``[1, P_q)``, in int64
-   without overflow. The part's fingerprint is ``lane_0 * 2**31 + lane_1`` (below ``2**62``);
-   ``fingerprint_hex`` writes the four parts as 16 hex digits each, 64 in all.
-
-Why it tells the cases apart: a slot that holds another expert differs in (nearly) every part;
-a slot half overwritten with another expert's bytes keeps the parts that were not touched and
-changes the others, so a reader that knows every expert's parts sees "parts 0-1 of expert X,
-parts 2-3 of expert Y" (``layout_ledger.core.content``); a zero-filled slot gives 0 in every part,
-which no real expert does. Any single changed word changes its part (``T_j`` is odd and below
-both primes); two different random contents collide in a part with probability about
-``2**-62``. It is a check against accidents, not against an adversary.
-
-Cost: it reads every byte of the layer once, writes and reads each word as a float64, and
-keeps at most ``_BUDGET`` bytes of those at a time (``scripts/bench_fingerprints.py`` measures it
-next to a copy of the same bytes).
+first dimension the layer's local physical slots) and returns one fingerprint per slot, on the
+tensors' device; its docstring is the definition. Nothing of the weights is copied to the host;
+only the result is (``fingerprint_hex``). Daemons and engines compute the same values from the
+same bytes, so their fingerprints can be compared.
 """
 
 from __future__ import annotations
@@ -56,7 +25,9 @@ _PRIMES = (2_147_483_647, 2_147_483_629)  # 2**31 - 1 and 2**31 - 19
 _LANE_SHIFT = 31
 _TABLE_SEED = 0x5EED_F1A6
 _MULTIPLIER_SEEDS = (0x1A7E_0001, 0x1A7E_0002)
-# Bytes of float64 words held at once: slots and words are taken in blocks below this.
+# Bytes of float64 words held at once: slots and words are taken in blocks below this. A layer
+# costs one read of every byte, each word written and read once as a float64
+# (scripts/bench_fingerprints.py measures it next to a copy of the same bytes).
 _BUDGET = 64 << 20
 _BLOCK_WORDS = (_BUDGET // 8 // CHUNK_WORDS) * CHUNK_WORDS
 
@@ -183,8 +154,37 @@ def _part_value(sums: torch.Tensor) -> torch.Tensor:
 
 def fingerprint_slots(tensors: list[torch.Tensor], num_slots: int) -> torch.Tensor:
     """One fingerprint per physical slot of one layer: ``(num_slots, PARTS)`` int64, on the
-    tensors' device (module docstring). ``tensors``: the layer's routed-expert tensors, each
-    with ``num_slots`` slots in its first dimension, all on one device."""
+    tensors' device. ``tensors``: the layer's routed-expert tensors, each with ``num_slots``
+    slots in its first dimension, all on one device.
+
+    Definition (the same bytes give the same fingerprint in every process and on every device,
+    because every step is exact integer arithmetic, whose result does not depend on the order in
+    which a device adds):
+
+    1. A slot's *words*: for each tensor in order, the bytes of that slot (row-major) read as
+       little-endian int32 words (int16 when a slot's bytes in that tensor are not a multiple of 4,
+       unsigned bytes when odd in number). The slot's word sequence is the tensors' words one after
+       the other, ``W`` words.
+    2. *Parts*: the sequence is cut into ``PARTS`` (4) ranges, part ``k`` covering positions
+       ``[k*W//4, (k+1)*W//4)``. Each part is cut into *chunks* of at most ``CHUNK_WORDS`` (4096)
+       words, also at tensor boundaries; chunks are numbered ``c = 0, 1, ...`` within their part.
+    3. A chunk's sum: ``S = sum_j w_j * T_j`` over its words ``w_j`` (``j`` from 0 within the
+       chunk), ``T`` a fixed table of odd numbers in ``[1, 1024)`` (``_Tables``). ``|S| < 2**53``,
+       so it is computed exactly as a float64 matrix-vector product: every product and partial sum
+       is an integer a float64 holds exactly, in any order of addition.
+    4. A part's value in each of two lanes ``q`` (primes ``P_q`` just below ``2**31``):
+       ``sum_c (S_c mod P_q) * M_q[c] mod P_q``, ``M_q`` fixed tables in ``[1, P_q)``, in int64
+       without overflow. The part's fingerprint is ``lane_0 * 2**31 + lane_1`` (below
+       ``2**62``); ``fingerprint_hex`` writes the four parts as 16 hex digits each, 64 in all.
+
+    Why it tells the cases apart: a slot that holds another expert differs in (nearly) every part; a
+    slot half overwritten with another expert's bytes keeps the parts that were not touched and
+    changes the others, so a reader that knows every expert's parts sees "parts 0-1 of expert X,
+    parts 2-3 of expert Y" (``layout_ledger.core.content``); a zero-filled slot gives 0 in every
+    part, which no real expert does. Any single changed word changes its part (``T_j`` is odd and
+    below both primes); two different random contents collide in a part with probability about
+    ``2**-62``. It is a check against accidents, not against an adversary.
+    """
     if not tensors:
         raise ValueError("a layer needs at least one routed-expert tensor to fingerprint")
     devices = {tensor.device for tensor in tensors}

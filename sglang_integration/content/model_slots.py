@@ -34,10 +34,6 @@ class ModelSlots:
         self.first_slot = first_slot
         self.num_slots = num_slots
 
-    @property
-    def layers(self) -> tuple[int, ...]:
-        return tuple(sorted(self._routed()))
-
     def fingerprints(self, layers: Sequence[int] | None = None) -> LocalFingerprints:
         """Fingerprint ``layers`` (every layer with tensors when None; others are skipped)."""
         from sglang_integration.content.fingerprints import fingerprint_layers

@@ -19,6 +19,7 @@ import selectors
 import socket
 import threading
 from collections.abc import Callable
+from typing import cast
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,9 @@ class AttachWatcher:
         for conn, _ in pending:
             conn.close()
         for selector_key in list(self._selector.get_map().values()):
-            if selector_key.fileobj is not self._wake_reader:
-                selector_key.fileobj.close()  # type: ignore[union-attr]
+            watched = selector_key.fileobj  # every registered object is a socket
+            if isinstance(watched, socket.socket) and watched is not self._wake_reader:
+                watched.close()
         self._selector.close()
         self._wake_reader.close()
         self._wake_writer.close()
@@ -133,7 +135,7 @@ class AttachWatcher:
             pass
 
     def _read(self, selector_key: selectors.SelectorKey) -> None:
-        conn: socket.socket = selector_key.fileobj  # type: ignore[assignment]
+        conn = cast(socket.socket, selector_key.fileobj)  # only sockets are registered
         try:
             data = conn.recv(_READ_SIZE)
         except (BlockingIOError, InterruptedError):

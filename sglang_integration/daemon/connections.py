@@ -1,25 +1,10 @@
-"""Each connection the daemon accepts is served on its own thread, within deadlines.
+"""Each connection the daemon accepts, served on its own thread within deadlines.
 
-sglang 0.5.23's serve loop handles one connection at a time and gives each socket operation a
-30 s timeout, so one client that sends nothing, trickles its request a byte at a time, or never
-reads its reply holds every other engine (a rebalance's begin included) for 30 s or longer,
-and bad clients are served one after the other. The daemon hooks hand each accepted connection
-to ``ConnectionThreads`` instead, and serve's loop goes straight back to ``accept``:
-
-- the whole request must arrive within ``timeout`` seconds of the accept, however it trickles;
-- the reply must be taken within ``timeout`` seconds of its first send;
-- otherwise the connection is shut down and closed, and one warning is logged.
-
-Bad clients are therefore served side by side, never one after another: while fewer than
-``MAX_CONNECTIONS`` connections are open, any request that arrives whole is answered at once,
-whatever else is connected. At ``MAX_CONNECTIONS`` serve's loop waits for one to end (each ends
-within its deadlines) and new connections wait in the listen backlog. Handling itself (a
-ledger write) is not bounded: the record's lock orders the transitions, as it already does
-between the serve loop and the attach watcher.
-
-An attach connection is bounded the same way until its reply is sent; the attach watcher holds
-its own duplicate from then on (``daemon_hooks``). A failed or late attach reply shuts the
-connection down, which the watcher sees as EOF (the engine is detached).
+sglang's serve loop handles one connection at a time, each with a 30 s timeout per socket
+operation, so one client that sends nothing, trickles its request, or never reads its reply
+holds every other engine (a rebalance's begin included) for 30 s or longer. The daemon hooks
+hand each accepted connection to ``ConnectionThreads`` instead, and serve's loop goes straight
+back to ``accept``: bad clients are served side by side, and each is dropped at its deadline.
 """
 
 from __future__ import annotations
@@ -32,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sglang_integration.daemon.socket_stand_ins import PassThrough
+
 logger = logging.getLogger(__name__)
 
 # Connections served at once. Each one ends within its deadlines; each may hold one request
@@ -43,16 +30,17 @@ class DeadlinePassed(TimeoutError):
     """A client did not send its whole request, or take its reply, within the deadline."""
 
 
-class BoundedConnection:
+class BoundedConnection(PassThrough):
     """A connection whose reads end at the request deadline and whose sends at the reply one.
 
     ``recv`` raises ``DeadlinePassed`` once ``timeout`` seconds have passed since ``accepted``
     (a ``time.monotonic`` instant), however many bytes arrived before; ``sendall`` raises it
     when the reply is not taken within ``timeout`` seconds of the first send. Everything else
-    is the socket's.
+    is the socket's (``PassThrough``).
     """
 
     def __init__(self, conn: socket.socket, accepted: float, timeout: float) -> None:
+        super().__init__(conn)
         self._conn = conn
         self._timeout = timeout
         self._request_deadline = accepted + timeout
@@ -85,15 +73,27 @@ class BoundedConnection:
                 f"the client did not take its reply within {self._timeout:g} s"
             ) from exc
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
 
 Handler = Callable[[BoundedConnection], None]
 
 
 class ConnectionThreads:
-    """Serves each submitted connection on its own thread, within ``timeout`` (module doc)."""
+    """Serves each submitted connection on its own thread, within ``timeout`` seconds.
+
+    - the whole request must arrive within ``timeout`` seconds of the accept, however it
+      trickles; the reply must be taken within ``timeout`` seconds of its first send;
+    - otherwise the connection is shut down and closed, and one warning is logged.
+
+    While fewer than ``max_connections`` are open, any request that arrives whole is answered
+    at once, whatever else is connected; at ``max_connections`` serve's loop waits for one to
+    end (each ends within its deadlines) and new connections wait in the listen backlog.
+    Handling itself (a ledger write) is not bounded: the record's lock orders the transitions,
+    as it already does between the serve loop and the attach watcher.
+
+    An attach connection is bounded the same way until its reply is sent; the attach watcher
+    holds its own duplicate from then on. A failed or late attach reply shuts the connection
+    down, which the watcher sees as EOF (the engine is detached).
+    """
 
     def __init__(self, timeout: float, max_connections: int = MAX_CONNECTIONS) -> None:
         self.timeout = timeout
@@ -101,11 +101,6 @@ class ConnectionThreads:
         self._lock = threading.Lock()
         self._open: dict[socket.socket, threading.Thread] = {}
         self._stopping = False
-
-    @property
-    def open_connections(self) -> int:
-        with self._lock:
-            return len(self._open)
 
     def submit(self, conn: socket.socket, handle: Handler) -> None:
         """Serve ``conn`` with ``handle`` on a new thread and return at once.

@@ -1,93 +1,58 @@
-"""The hooks on sglang 0.5.23's ``WeightCacheDaemon``: the expert layout protocol in the daemon.
+"""The hooks on sglang's ``WeightCacheDaemon``: the expert layout protocol inside the daemon.
 
-This module is the one place that knows the daemon's internals (``weight_cache/daemon.py``):
+The one module that knows the daemon's internals (``weight_cache/daemon.py``): ``around_load``
+opens the daemon's record once the weights are loaded, ``around_serve`` widens the listen backlog
+and ends the record cleanly, ``around_handle_connection`` answers the layout requests and checks
+``fetch_state`` before sglang's own handler sees it, and ``around_spawn_weight_cache_daemon``
+makes every daemon sglang spawns hooked. The lines of sglang they rely on are ``UPSTREAM_LINES``.
 
-- ``WeightCacheDaemon.load`` ends by building the initial expert layout with
-  ``_initialize_eplb_expert_location_metadata`` when ``--enable-eplb``
-  (``get_exec().moe.enable_eplb``) and keeps the loaded model in ``daemon.model``. ``around_load``
-  runs the original, then reads that global ``ExpertLocationMetadata.physical_to_logical_map``,
-  fingerprints the daemon's local slots of ``daemon.model.routed_experts_weights_of_layer`` (the
-  rank's first slot is ``moe_ep_rank * num_local_physical_experts``; not with the content check
-  off, ``content_settings``), opens the daemon's ledger (``ledger_paths``), starts a new
-  incarnation at version 0 with those fingerprints, checks that replicas hold the same bytes
-  (``LayoutRecord.check_loaded_content``) and keeps a ``LayoutService`` on the daemon, whose
-  content source fingerprints the same tensors again at each commit, content check and repair.
-  Without ``--enable-eplb`` (or for a model without routed experts) the service has no record and
-  answers the layout requests with ``no_record``.
-- ``WeightCacheDaemon.serve`` binds its socket, ``listen(8)``\\ s, accepts connections one at a
-  time, gives each a 30 s timeout, calls ``_handle_connection(conn)`` and always
-  ``conn.close()``\\ s it after, logging (never raising) any exception. ``around_serve`` runs it
-  with a listen backlog of at least ``LISTEN_BACKLOG`` (``_listen_backlog``: for the call, the
-  daemon module's name ``socket`` is the socket module with a ``socket`` class whose ``listen``
-  raises the backlog; serve uses that name only for this socket and ``socket.timeout``), then
-  stops the connection threads and the attach watcher and ends the ledger incarnation cleanly
-  when the loop stops (SIGTERM/SIGINT).
-- ``WeightCacheDaemon._handle_connection`` reads one request with ``recv_msg`` and branches on
-  ``req.get("type")``. ``around_handle_connection`` hands the connection to the daemon's
-  ``ConnectionThreads`` and returns, so serve's loop goes back to ``accept`` at once; on its own
-  thread, within the request and reply deadlines (``bounded_connections``), the connection is
-  served as follows. The request is read through sglang's own ``recv_msg`` while keeping the
-  frame's bytes, then:
-
-  * the seven ``expert_layout_*`` types go to the service; an ``ok`` attach hands a duplicate of
-    the connection to the ``AttachWatcher`` before the reply is sent, so the connection outlives
-    serve's ``conn.close()`` and its EOF detaches the engine;
-  * ``fetch_state`` whose config matches (the same ``CacheConfig.from_dict`` / ``matches`` test
-    as the original handler) gets the layout check; a refusal is answered ``layout_refused``
-    before any transport work;
-  * everything else (``ping``, ``query_config``, unknown types, non-dict requests, a
-    ``fetch_state`` with a mismatched or broken config, and a ``fetch_state`` the layout check
-    lets through) runs sglang's original handler on a connection that replays the frame's
-    bytes, so its replies, log lines, errors and transport call are sglang's own, unchanged.
-
-- ``spawn_weight_cache_daemon`` starts each daemon with ``multiprocessing`` spawn: a fresh
-  interpreter that never ran the plugin. ``around_spawn_weight_cache_daemon`` (the engine side
-  registers it for ``--weight-cache-mode daemon``; the standalone launcher too) starts the same
-  process with ``run_hooked_weight_cache_daemon`` as its target, which installs these hooks and
-  then runs sglang's ``run_weight_cache_daemon`` unchanged.
-
-The plugin never lets an exception escape into the serve loop from its own logic: a failure
-inside the service becomes an ``error`` reply (or ``layout_refused`` for a fetch, the safe side).
-Replies are built by ``layout_ledger.wire.protocol`` (docs/protocol.md).
-
-Where in sglang 0.5.23's ``weight_cache/daemon.py`` (line numbers, to recheck on an upgrade):
-``load`` 252-401, its ``_initialize_eplb_expert_location_metadata`` call 326 (defined 474-489);
-``serve`` 491-554, its ``socket.socket`` 497, ``listen(8)`` 503, ``socket.timeout`` 546, the
-per-connection timeout 535 (``CLIENT_CONNECTION_TIMEOUT`` 87); ``_handle_connection`` 556-611, its
-config test 566-567;
-``run_weight_cache_daemon`` 625-658; ``spawn_weight_cache_daemon`` 681-696, its spawn 690-696.
+No exception of the plugin's own logic escapes into the serve loop: a failure inside the service
+becomes an ``error`` reply (``layout_refused`` for a fetch, the safe side). Replies are built by
+``layout_ledger.wire.protocol`` (docs/protocol.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import json
 import logging
 import multiprocessing
 import os
-import socket
 import sys
-import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from layout_ledger.core.content import LocalFingerprints
 from layout_ledger.core.errors import LedgerError
 from layout_ledger.core.layout import Geometry, Map
 from layout_ledger.core.record import LayoutRecord
 from layout_ledger.store.ledger import Ledger
 from layout_ledger.store.origin import IncarnationOrigin
-from layout_ledger.store.retention import Retention
 from layout_ledger.wire import protocol
 from layout_ledger.wire.service import LayoutService
 from sglang_integration.content.model_slots import ModelSlots, model_slots
 from sglang_integration.daemon import ledger_paths
-from sglang_integration.daemon.attach_watcher import AttachWatcher, WatcherStopped
-from sglang_integration.daemon.connections import BoundedConnection, ConnectionThreads
-from sglang_integration.settings import ContentCheck, content_check
+from sglang_integration.daemon.attach_watcher import WatcherStopped
+from sglang_integration.daemon.connections import BoundedConnection
+from sglang_integration.daemon.layout_side import (
+    DaemonLayoutSide,
+    close_daemon_layout,
+    daemon_layout,
+    set_daemon_layout,
+)
+from sglang_integration.daemon.record_opening import (
+    check_loaded_content,
+    config_fingerprint,
+    daemon_retention,
+    loaded_fingerprints,
+    open_ledger_record,
+)
+from sglang_integration.daemon.socket_stand_ins import (
+    BacklogSocketModule,
+    RecordingConnection,
+    ReplayConnection,
+)
+from sglang_integration.settings import REQUEST_TIMEOUT, ContentCheck, content_check
+from sglang_integration.upstream_lines import UpstreamLine
 
 logger = logging.getLogger(__name__)
 
@@ -97,30 +62,80 @@ SERVE_TARGET = f"{_DAEMON_MODULE}.WeightCacheDaemon.serve"
 HANDLE_TARGET = f"{_DAEMON_MODULE}.WeightCacheDaemon._handle_connection"
 SPAWN_TARGET = f"{_DAEMON_MODULE}.spawn_weight_cache_daemon"
 
-# The attribute of a WeightCacheDaemon that holds its DaemonLayoutSide.
-_LAYOUT_ATTR = "_expert_layout"
-
 # The daemon's listen backlog (sglang listens with 8: a burst of engine ranks connecting at
 # once, each with a timeout and so a non-blocking connect, got EAGAIN). Linux caps it at
 # net.core.somaxconn.
 LISTEN_BACKLOG = 4096
 
-
-@dataclass
-class DaemonLayoutSide:
-    """The expert layout side of one daemon: its service, connections, watcher and ledger."""
-
-    service: LayoutService
-    watcher: AttachWatcher
-    connections: ConnectionThreads
-    ledger: Ledger | None = None
-
-    def close(self) -> None:
-        """Stop serving connections and watching attach connections, then end the incarnation."""
-        self.connections.stop()
-        self.watcher.stop()
-        if self.ledger is not None:
-            self.ledger.close()
+_DAEMON_FILE = "srt/weight_cache/daemon.py"
+# The lines of sglang's daemon these hooks rely on (tests/test_upstream_lines.py checks them).
+UPSTREAM_LINES = (
+    UpstreamLine(_DAEMON_FILE, 252, "def load(self", "the load hook runs after all of it"),
+    UpstreamLine(
+        _DAEMON_FILE,
+        326,
+        "self._initialize_eplb_expert_location_metadata(model_config)",
+        "load sets the global ExpertLocationMetadata (with --enable-eplb), the initial map",
+    ),
+    UpstreamLine(
+        _DAEMON_FILE,
+        375,
+        "self.model = loader.load_model(",
+        "daemon.model, whose slots we fingerprint",
+    ),
+    UpstreamLine(_DAEMON_FILE, 491, "def serve(self", "the serve hook runs around it"),
+    UpstreamLine(
+        _DAEMON_FILE,
+        497,
+        "sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)",
+        "serve's listening socket comes from the module's name socket (_listen_backlog)",
+    ),
+    UpstreamLine(_DAEMON_FILE, 503, "sock.listen(8)", "the backlog _listen_backlog raises"),
+    UpstreamLine(
+        _DAEMON_FILE,
+        535,
+        "conn.settimeout(CLIENT_CONNECTION_TIMEOUT)",
+        "serve's 30 s per operation, which the connection deadlines replace",
+    ),
+    UpstreamLine(
+        _DAEMON_FILE,
+        537,
+        "self._handle_connection(conn)",
+        "serve hands each connection to the handler, then always closes it",
+    ),
+    UpstreamLine(
+        _DAEMON_FILE, 546, "except socket.timeout:", "serve's only other use of the name socket"
+    ),
+    UpstreamLine(
+        _DAEMON_FILE, 556, "def _handle_connection(self, conn", "the connection hook's target"
+    ),
+    UpstreamLine(_DAEMON_FILE, 558, "req = recv_msg(conn)", "the handler reads one frame first"),
+    UpstreamLine(
+        _DAEMON_FILE,
+        566,
+        'engine_config = CacheConfig.from_dict(req["config"])',
+        "the handler's config test, which _config_matches repeats",
+    ),
+    UpstreamLine(
+        _DAEMON_FILE, 567, "if not self.config.matches(engine_config):", "the same config test"
+    ),
+    UpstreamLine(
+        _DAEMON_FILE,
+        625,
+        "def run_weight_cache_daemon(",
+        "a spawned daemon's entry point, run once the hooks are installed",
+    ),
+    UpstreamLine(_DAEMON_FILE, 681, "def spawn_weight_cache_daemon(", "the spawn hook's target"),
+    UpstreamLine(
+        _DAEMON_FILE,
+        690,
+        'ctx = multiprocessing.get_context("spawn")',
+        "its only act, a spawned process, which the spawn hook repeats with the hooked target",
+    ),
+    UpstreamLine(
+        _DAEMON_FILE, 692, "target=run_weight_cache_daemon,", "the target the spawn hook replaces"
+    ),
+)
 
 
 # --- installing the hooks ---------------------------------------------------------------------
@@ -159,127 +174,19 @@ def install_daemon_hooks() -> None:
     logger.info("expert layout hooks installed on sglang's WeightCacheDaemon")
 
 
-# --- the layout side of a daemon ----------------------------------------------------------------
-
-
-def open_ledger_record(
-    path: str | os.PathLike[str],
-    geometry: Geometry,
-    initial_map: Map,
-    *,
-    retention: Retention,
-    config_fingerprint: str,
-    daemon_label: str,
-    origin: IncarnationOrigin | None = None,
-    content: LocalFingerprints | None = None,
-) -> tuple[Ledger, LayoutRecord]:
-    """Open the ledger (one writer) and start a new incarnation at version 0, recording where
-    it runs (``origin``) and the slots' fingerprints (when the daemon records them)."""
-    ledger = Ledger.open(path, retention)
-    try:
-        record = ledger.start_incarnation(
-            geometry,
-            initial_map,
-            config_fingerprint=config_fingerprint,
-            daemon_label=daemon_label,
-            origin=origin,
-            content=content,
-        )
-    except BaseException:
-        ledger.close()
-        raise
-    return ledger, record
-
-
-def loaded_fingerprints(slots: ModelSlots | None, mode: ContentCheck) -> LocalFingerprints | None:
-    """The local slots' fingerprints at load (None: content check off, or no tensors)."""
-    if slots is None or mode is ContentCheck.OFF:
-        return None
-    local = slots.fingerprints()
-    logger.info(
-        "fingerprinted %d local slots (from slot %d) of %d layers at load",
-        slots.num_slots,
-        slots.first_slot,
-        len(local.layers),
-    )
-    return local
-
-
-def check_loaded_content(record: LayoutRecord, mode: ContentCheck) -> None:
-    """Replicas must hold the same bytes; ``enforce`` marks the daemon dirty when they do not."""
-    problem = record.check_loaded_content(enforce=mode is ContentCheck.ENFORCE)
-    if problem is None:
-        return
-    if mode is ContentCheck.ENFORCE:
-        logger.error(
-            "expert layout is dirty from the start, fetch_state and begin are refused: %s", problem
-        )
-    else:
-        logger.warning("%s (content check warn: serving anyway)", problem)
-
-
-def set_daemon_layout(
-    daemon: Any,
-    service: LayoutService,
-    ledger: Ledger | None = None,
-    request_timeout: float | None = None,
-) -> None:
-    """Give ``daemon`` its layout side and start its attach watcher.
-
-    ``request_timeout``: the connection deadline in seconds (None: ``ledger_paths``' setting).
-    """
-    if request_timeout is None:
-        request_timeout = ledger_paths.request_timeout_from_env()
-    previous = getattr(daemon, _LAYOUT_ATTR, None)
-    if previous is not None:
-        raise RuntimeError("this daemon already has an expert layout service")
-
-    def detach(engine_id: str, reason: str) -> None:
-        try:
-            service.detach(engine_id, reason)
-        except LedgerError as exc:
-            logger.error(
-                "could not record engine %r's detach (%s): %s; the daemon counts it as "
-                "attached until it restarts, so no other engine may move experts",
-                engine_id,
-                reason,
-                exc,
-            )
-
-    watcher = AttachWatcher(detach)
-    watcher.start()
-    connections = ConnectionThreads(request_timeout)
-    setattr(daemon, _LAYOUT_ATTR, DaemonLayoutSide(service, watcher, connections, ledger))
-
-
-def daemon_layout(daemon: Any) -> DaemonLayoutSide | None:
-    return getattr(daemon, _LAYOUT_ATTR, None)
-
-
-def close_daemon_layout(daemon: Any) -> None:
-    """End the daemon's layout side (clean incarnation end); safe to call twice."""
-    layout = getattr(daemon, _LAYOUT_ATTR, None)
-    if layout is None:
-        return
-    setattr(daemon, _LAYOUT_ATTR, None)
-    try:
-        layout.close()
-    except LedgerError as exc:
-        logger.error("could not end the expert layout ledger's incarnation cleanly: %s", exc)
-
-
-def config_fingerprint(config_dict: dict[str, Any]) -> str:
-    """SHA-256 of the daemon's CacheConfig, recorded with each incarnation."""
-    text = json.dumps(config_dict, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 # --- WeightCacheDaemon.load -----------------------------------------------------------------------
 
 
 def around_load(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``WeightCacheDaemon.load``: load, then open the record of the initial layout."""
-    request_timeout = ledger_paths.request_timeout_from_env()  # a bad setting fails first
+    """AROUND ``WeightCacheDaemon.load``: load, then open the record of the initial layout.
+
+    ``load`` builds sglang's global ``ExpertLocationMetadata`` (with ``--enable-eplb``) and
+    keeps the model in ``daemon.model``. From them the record starts at version 0: the map,
+    and the fingerprints of the daemon's local slots of ``routed_experts_weights_of_layer``
+    (``record_opening``). Without ``--enable-eplb``, or for a model without routed experts, the
+    service has no record and answers the layout requests ``no_record``.
+    """
+    request_timeout = REQUEST_TIMEOUT.read()  # a bad setting fails before the long load
     result = original_fn(daemon, *args, **kwargs)
     try:
         ledger, record, slots = _open_record_after_load(daemon)
@@ -292,7 +199,10 @@ def around_load(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwar
 
 
 def _daemon_slots(daemon: Any, metadata: Any, mode: ContentCheck) -> ModelSlots | None:
-    """The loaded model's local slots (this daemon's EP rank), unless the check is off."""
+    """The loaded model's local slots (this daemon's EP rank), unless the check is off.
+
+    The rank's first slot is ``moe_ep_rank * num_local_physical_experts``.
+    """
     if mode is ContentCheck.OFF:
         return None
     if getattr(daemon.model, "routed_experts_weights_of_layer", None) is None:
@@ -332,7 +242,7 @@ def _open_record_after_load(
         path,
         geometry,
         initial_map,
-        retention=ledger_paths.retention_from_env(),
+        retention=daemon_retention(),
         config_fingerprint=config_fingerprint(daemon.config.to_dict()),
         daemon_label=(
             f"pid={os.getpid()} gpu={daemon.gpu_id} tp_rank={daemon.tp_rank} "
@@ -369,8 +279,8 @@ def _int_or_none(value: Any) -> int | None:
 
 
 def around_serve(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``WeightCacheDaemon.serve``: a larger listen backlog; when the loop ends, stop
-    serving connections and end the incarnation cleanly."""
+    """AROUND ``WeightCacheDaemon.serve``: a larger listen backlog; when the loop ends
+    (SIGTERM/SIGINT), stop serving connections and end the incarnation cleanly."""
     try:
         with _listen_backlog(sys.modules[_DAEMON_MODULE], LISTEN_BACKLOG):
             return original_fn(daemon, *args, **kwargs)
@@ -378,27 +288,15 @@ def around_serve(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwa
         close_daemon_layout(daemon)
 
 
-class _BacklogSocketModule(types.ModuleType):
-    """The socket module, except that its ``socket`` class listens with a larger backlog."""
-
-    def __init__(self, backlog: int) -> None:
-        super().__init__(socket.__name__)
-
-        class ListeningSocket(socket.socket):
-            def listen(self, requested: int = backlog, /) -> None:
-                super().listen(max(requested, backlog))
-
-        self.socket = ListeningSocket
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(socket, name)
-
-
 @contextlib.contextmanager
-def _listen_backlog(daemon_module: types.ModuleType, backlog: int) -> Iterator[None]:
-    """While serve runs, the daemon module's ``socket`` listens with at least ``backlog``."""
+def _listen_backlog(daemon_module: Any, backlog: int) -> Iterator[None]:
+    """While serve runs, the daemon module's ``socket`` listens with at least ``backlog``.
+
+    serve uses that name only for its listening socket and ``socket.timeout``
+    (``UPSTREAM_LINES``), so swapping it for the call changes nothing else.
+    """
     original = daemon_module.socket
-    daemon_module.socket = _BacklogSocketModule(backlog)
+    daemon_module.socket = BacklogSocketModule(backlog)
     try:
         yield
     finally:
@@ -408,38 +306,12 @@ def _listen_backlog(daemon_module: types.ModuleType, backlog: int) -> Iterator[N
 # --- WeightCacheDaemon._handle_connection ---------------------------------------------------------
 
 
-class _RecordingConnection:
-    """Reads through to the connection and keeps every byte read (one request frame)."""
-
-    def __init__(self, conn: BoundedConnection) -> None:
-        self._conn = conn
-        self.received = bytearray()
-
-    def recv(self, size: int) -> bytes:
-        data = self._conn.recv(size)
-        self.received.extend(data)
-        return data
-
-
-class _ReplayConnection:
-    """The connection, with the already-read frame served again to the first reads."""
-
-    def __init__(self, conn: BoundedConnection, already_read: bytes) -> None:
-        self._conn = conn
-        self._replay = memoryview(bytes(already_read))
-
-    def recv(self, size: int, *args: Any) -> bytes:
-        if self._replay:
-            chunk, self._replay = self._replay[:size], self._replay[size:]
-            return bytes(chunk)
-        return self._conn.recv(size, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-
 def around_handle_connection(original_fn: Callable[..., Any], daemon: Any, conn: Any) -> Any:
-    """AROUND ``WeightCacheDaemon._handle_connection``: serve ``conn`` on its own thread."""
+    """AROUND ``WeightCacheDaemon._handle_connection``: serve ``conn`` on its own thread.
+
+    serve's loop goes back to ``accept`` at once; the daemon's ``ConnectionThreads`` serve the
+    connection within the request and reply deadlines (``_serve_connection``).
+    """
     layout = daemon_layout(daemon)
     if layout is None:
         return original_fn(daemon, conn)  # no layout side (load() did not run through the hook)
@@ -452,10 +324,21 @@ def around_handle_connection(original_fn: Callable[..., Any], daemon: Any, conn:
 def _serve_connection(
     original_fn: Callable[..., Any], daemon: Any, layout: DaemonLayoutSide, conn: BoundedConnection
 ) -> None:
-    """One connection, on its thread: see the module docstring."""
+    """One connection, on its thread: one request read with sglang's ``recv_msg``, then
+
+    - the ``expert_layout_*`` types go to the service; an ``ok`` attach hands a duplicate of the
+      connection to the attach watcher before the reply is sent, so it outlives serve's
+      ``conn.close()`` and its EOF detaches the engine;
+    - a ``fetch_state`` whose config matches gets the layout check; a refusal is answered
+      ``layout_refused`` before any transport work;
+    - everything else (``ping``, ``query_config``, unknown types, non-dict requests, a
+      ``fetch_state`` with a mismatched or broken config, or one the check lets through) goes
+      to sglang's original handler on a connection that replays the frame's bytes, so its
+      replies, log lines, errors and transport call are sglang's own.
+    """
     from sglang.srt.weight_cache.protocol import recv_msg, send_msg
 
-    recording = _RecordingConnection(conn)
+    recording = RecordingConnection(conn)
     # sglang's framing, size cap and restricted unpickler; what it raises, the connection
     # thread logs as serve logs it (the original handler's first line is this same call).
     request = recv_msg(recording)
@@ -468,7 +351,7 @@ def _serve_connection(
         if refusal is not None:
             send_msg(conn, refusal)
             return
-    original_fn(daemon, _ReplayConnection(conn, bytes(recording.received)))
+    original_fn(daemon, ReplayConnection(conn, bytes(recording.received)))
 
 
 def _config_matches(daemon: Any, request: dict[str, Any]) -> bool:
@@ -551,9 +434,10 @@ def around_spawn_weight_cache_daemon(
 ) -> Any:
     """AROUND ``spawn_weight_cache_daemon``: sglang's spawn, with the hooked target.
 
-    ``original_fn`` is not called: its only act is ``ctx.Process(target=run_weight_cache_daemon,
-    ...)``, and a spawned child would run that unhooked. The context, arguments and return value
-    are the original's.
+    A spawned daemon is a fresh interpreter that never ran the plugin (the engine side registers
+    this hook for ``--weight-cache-mode daemon``, the standalone launcher too). ``original_fn``
+    is not called: its only act is ``ctx.Process(target=run_weight_cache_daemon, ...)``, and the
+    child would run that unhooked. The context, arguments and return value are the original's.
     """
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(

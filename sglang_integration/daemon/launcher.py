@@ -1,23 +1,12 @@
 """``python -m sglang_integration.daemon``: sglang's weight cache daemon with the layout hooks.
 
-Takes the same arguments as ``python -m sglang.srt.weight_cache.daemon`` (the worker flags
-``--gpu-id``, ``--tp-rank``, ``--pp-rank``, ``--dist-init-method``, ``--timeout``, ``--force`` and
-every server argument) plus the ledger flags below, installs the daemon hooks
-(``daemon_hooks.install_daemon_hooks``) and runs sglang's own entry points: one daemon
+It takes ``python -m sglang.srt.weight_cache.daemon``'s arguments plus the ``--expert-layout-*``
+flags (``settings``), installs the daemon hooks and runs sglang's own entry points: one daemon
 (``run_weight_cache_daemon``) with ``--gpu-id``/``--tp-rank``, else this node's whole group
-(``launch_weight_cache_daemons``), whose spawned children install the hooks themselves through
-the spawn hook.
-
-sglang's module cannot be run with ``runpy``: that would execute a second copy of
-``weight_cache/daemon.py`` whose ``WeightCacheDaemon`` class is not the hooked one. ``main``
-therefore repeats its ``__main__`` block (daemon.py:889-926) against the imported module.
-
-Ledger flags (each also settable by environment, see ``ledger_paths`` and ``content_settings``):
-  --expert-layout-ledger TEMPLATE     ledger path template with {device_uuid}
-  --expert-layout-keep-versions N     history kept per incarnation (rows of the last N versions)
-  --expert-layout-prune-every N       prune automatically every N commits
-  --expert-layout-request-timeout S   seconds a client has for its request, and for its reply
-  --expert-layout-content-check MODE  enforce (default), warn or off: slot fingerprints
+(``launch_weight_cache_daemons``), whose spawned children install the hooks through the spawn
+hook. sglang's module cannot be run with ``runpy`` (a second copy of ``weight_cache/daemon.py``
+would hold an unhooked ``WeightCacheDaemon``), so ``main`` repeats its ``__main__`` block
+(``UPSTREAM_LINES``) against the imported module.
 """
 
 from __future__ import annotations
@@ -26,56 +15,30 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from sglang_integration import settings as content_settings
+from sglang_integration import settings
 from sglang_integration.daemon import hooks as daemon_hooks
-from sglang_integration.daemon import ledger_paths
+from sglang_integration.upstream_lines import UpstreamLine
 
-
-def add_ledger_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--expert-layout-ledger",
-        default=None,
-        metavar="TEMPLATE",
-        help=(
-            "path template of the expert layout ledger, with {device_uuid} "
-            f"(env {ledger_paths.LEDGER_TEMPLATE_ENV}; default: "
-            f"{ledger_paths.LEDGER_DIRECTORY}/{ledger_paths.LEDGER_FILE_TEMPLATE} beside the "
-            f"daemon socket, in a private directory)"
-        ),
-    )
-    parser.add_argument(
-        "--expert-layout-keep-versions",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"keep the layout rows of the last N versions (env {ledger_paths.KEEP_VERSIONS_ENV})",
-    )
-    parser.add_argument(
-        "--expert-layout-prune-every",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"prune the ledger every N commits (env {ledger_paths.PRUNE_EVERY_ENV})",
-    )
-    parser.add_argument(
-        "--expert-layout-request-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help=(
-            "seconds a client has to send its whole request (from the accept), and again to "
-            "take its reply, before the daemon drops the connection (env "
-            f"{ledger_paths.REQUEST_TIMEOUT_ENV}; default {ledger_paths.DEFAULT_REQUEST_TIMEOUT:g})"
-        ),
-    )
-    parser.add_argument(
-        "--expert-layout-content-check",
-        choices=content_settings.CHOICES,
-        default=None,
-        help="fingerprint the expert slots at load and at each commit, and refuse to serve a "
-        "load whose replicas differ (enforce, the default), only log it (warn), or record no "
-        f"fingerprints (off) (env {content_settings.CONTENT_CHECK_ENV})",
-    )
+_DAEMON_FILE = "srt/weight_cache/daemon.py"
+# sglang's __main__ block, which main repeats (tests/test_upstream_lines.py checks the lines).
+UPSTREAM_LINES = (
+    UpstreamLine(_DAEMON_FILE, 889, 'if __name__ == "__main__":', "the block main repeats"),
+    UpstreamLine(
+        _DAEMON_FILE, 891, "WeightCacheDaemonArgs.add_cli_args(worker_parser)", "worker flags"
+    ),
+    UpstreamLine(
+        _DAEMON_FILE, 896, "server_args = prepare_server_args(server_argv)", "server arguments"
+    ),
+    UpstreamLine(
+        _DAEMON_FILE,
+        898,
+        "if daemon_args.gpu_id is not None or daemon_args.tp_rank is not None:",
+        "one daemon with --gpu-id/--tp-rank, else the node's group",
+    ),
+    UpstreamLine(_DAEMON_FILE, 909, "cleanup_stale_daemon_files(", "one daemon's stale files"),
+    UpstreamLine(_DAEMON_FILE, 913, "run_weight_cache_daemon(", "one daemon"),
+    UpstreamLine(_DAEMON_FILE, 921, "launch_weight_cache_daemons(", "the node's group"),
+)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -86,24 +49,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         description="sglang's weight cache daemon with the expert layout ledger. Every other "
         "argument is python -m sglang.srt.weight_cache.daemon's.",
     )
-    add_ledger_args(ledger_parser)
+    settings.add_daemon_flags(ledger_parser)
     if "-h" in argv or "--help" in argv:
         ledger_parser.print_help()
         print()
     ledger_args, rest = ledger_parser.parse_known_args(argv)
     try:
-        ledger_paths.export_settings(
-            ledger_args.expert_layout_ledger,
-            ledger_args.expert_layout_keep_versions,
-            ledger_args.expert_layout_prune_every,
-            ledger_args.expert_layout_request_timeout,
-        )
-        content_settings.export_content_check(ledger_args.expert_layout_content_check)
-    except (ledger_paths.LedgerSettingError, content_settings.ContentSettingError) as exc:
+        settings.export_daemon_flags(ledger_args)
+    except settings.SettingError as exc:
         ledger_parser.error(str(exc))
     daemon_hooks.install_daemon_hooks()
 
-    # sglang 0.5.23's __main__ block (see the module docstring), unchanged.
+    # sglang's __main__ block (UPSTREAM_LINES), unchanged.
     from sglang.srt.platforms import current_platform
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.weight_cache import daemon as sglang_daemon

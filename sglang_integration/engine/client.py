@@ -52,8 +52,8 @@ __all__ = [
 ]
 
 # Seconds for each connect, send and receive. The daemon serves each connection on its own
-# thread and bounds each request and reply itself (5 s by default), so a healthy daemon answers
-# well within this.
+# thread and bounds each request and reply itself (``settings.REQUEST_TIMEOUT``, 5 s by
+# default), so a healthy daemon answers well within this.
 DEFAULT_REQUEST_TIMEOUT = 30.0
 
 

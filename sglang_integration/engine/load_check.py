@@ -1,29 +1,11 @@
 """The hook on ``ModelRunner.load_model``: every loaded slot holds the expert the layout names.
 
-Register (one line in the plugin)::
-
-    HookRegistry.register(
-        "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
-        around_load_model,
-        HookType.AROUND,
-    )
-
-sglang 0.5.23's ``ModelRunner.initialize`` calls ``maybe_init_expert_location_metadata`` (the
-startup hook, ``engine_startup``: the ranks agree on a map) before ``load_model``
-(model_runner.py:708 and :715); the weights exist only after ``load_model`` sets
-``self.model`` (model_runner.py:1321), and nothing routes a token before ``initialize`` returns.
-So this hook runs the original, then, when the startup hook kept the experts' expected contents
-(every daemon records slot fingerprints; ``startup_content``), on every rank of the engine:
-
-1. fingerprints this rank's local slots (``moe_ep_rank * num_local_physical_experts`` on) of
-   ``runner.model.routed_experts_weights_of_layer`` on the weights' device, when its weights
-   came from the daemons (weights a client loaded from disk are not the daemons' and are not
-   checked; that rank reports nothing);
-2. compares each slot with the fingerprint every daemon recorded for the expert the adopted map
-   names there (``content_agreement.loaded_slot_problems``);
-3. all-gathers the problems over the world CPU group: any problem fails startup on every rank
-   with ``ExpertLayoutStartupError`` naming rank, layer, slot, the expected expert and what the
-   slot holds (``--expert-layout-content-check warn``: one warning instead).
+sglang's ``ModelRunner.initialize`` calls the startup hook's target (``startup``: the ranks agree
+on a map) before ``load_model``; the weights exist only once ``load_model`` has set
+``self.model``, and nothing routes a token before ``initialize`` returns (``UPSTREAM_LINES``). So
+the hook runs the original, then, when the startup hook kept the experts' expected contents
+(every daemon records slot fingerprints), checks on every rank what it loaded
+(``check_loaded_experts``).
 
 Every sglang internal this hook reads is here: ``runner.is_draft_worker``, ``runner.model``,
 sglang's global ``ExpertLocationMetadata`` and ``get_parallel().world_group``.
@@ -38,10 +20,22 @@ from typing import Any
 from layout_ledger.core.startup_verdict import ExpertLayoutStartupError
 from sglang_integration.engine.content_decisions import loaded_failure, loaded_slot_problems
 from sglang_integration.settings import ContentCheck, content_check
+from sglang_integration.upstream_lines import UpstreamLine
 
 logger = logging.getLogger(__name__)
 
+# Register with HookType.AROUND and ``around_load_model`` (the plugin).
 HOOK_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
+
+_RUNNER = "srt/model_executor/model_runner.py"
+# The lines of sglang this hook relies on (tests/test_upstream_lines.py checks them).
+UPSTREAM_LINES = (
+    UpstreamLine(
+        _RUNNER, 708, "self.maybe_init_expert_location_metadata()", "the startup hook runs first"
+    ),
+    UpstreamLine(_RUNNER, 715, "self.load_model()", "then the target"),
+    UpstreamLine(_RUNNER, 1321, "self.model = loaded.model", "the weights exist from here on"),
+)
 
 
 def around_load_model(original_fn: Callable[[Any], Any], runner: Any) -> Any:
@@ -59,7 +53,18 @@ def around_load_model(original_fn: Callable[[Any], Any], runner: Any) -> Any:
 
 
 def check_loaded_experts(model: Any, session: Any) -> None:
-    """Steps 1-3 of the module docstring; a collective over the world group."""
+    """Check this rank's loaded slots against the layout; a collective over the world group.
+
+    1. fingerprint this rank's local slots (``moe_ep_rank * num_local_physical_experts`` on) of
+       ``model.routed_experts_weights_of_layer`` on the weights' device, when its weights came
+       from the daemons (weights a client loaded from disk are not the daemons' and are not
+       checked; that rank reports nothing);
+    2. compare each slot with the fingerprint every daemon recorded for the expert the adopted
+       map names there (``content_decisions.loaded_slot_problems``);
+    3. all-gather the problems over the world CPU group: any problem fails startup on every rank
+       with ``ExpertLayoutStartupError`` naming rank, layer, slot, the expected expert and what
+       the slot holds (``--expert-layout-content-check warn``: one warning instead).
+    """
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
     from sglang.srt.runtime_context import get_parallel
 

@@ -1,20 +1,10 @@
 """Build the engine's ``ExpertLocationMetadata`` from a daemon's map, after two checks.
 
-The metadata comes from ``ExpertLocationMetadata.init_by_mapping``, the same call sglang makes
-for ``--init-expert-location`` with a ``physical_to_logical_map`` (expert_location.py:786), so an
-engine that adopts a daemon's map routes exactly as one started with that map in the flag.
-
-Before that:
-
-- the map must have the engine's shape (layers x physical slots); a different slot count means
-  the daemon and the engine run with different ``--ep-num-redundant-experts``;
-- the engine must dispatch through the metadata at all. sglang builds the dispatch info only
-  when ``ep_dispatch_algorithm`` is set (expert_location_dispatch.py:45-47), which it does for
-  ``--enable-eplb`` or a non-trivial ``--init-expert-location`` (parallel_hook.py:766-775);
-  without it the engine routes as if every expert were in its initial slot.
-
-The adopted metadata is copied into the engine's with ``ExpertLocationMetadata.update`` over
-every layer, the call sglang's own rebalance makes (expert_location_updater.py:73).
+The metadata comes from ``ExpertLocationMetadata.init_by_mapping``, the call sglang makes for
+``--init-expert-location`` with a ``physical_to_logical_map``, so an engine that adopts a
+daemon's map routes exactly as one started with that map in the flag; it is copied into the
+engine's with ``ExpertLocationMetadata.update`` over every layer, as sglang's own rebalance
+does. The sglang lines these rely on are ``UPSTREAM_LINES``.
 """
 
 from __future__ import annotations
@@ -24,12 +14,41 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from layout_ledger.core.startup_verdict import ExpertLayoutStartupError
+from sglang_integration.upstream_lines import UpstreamLine
 
 if TYPE_CHECKING:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.eplb.expert_location import ExpertLocationMetadata
 
 logger = logging.getLogger(__name__)
+
+# The lines of sglang this module relies on (tests/test_upstream_lines.py checks them).
+UPSTREAM_LINES = (
+    UpstreamLine(
+        "srt/eplb/expert_location.py",
+        786,
+        "return ExpertLocationMetadata.init_by_mapping(",
+        "--init-expert-location with a map: the call metadata_from_map makes",
+    ),
+    UpstreamLine(
+        "srt/eplb/expert_location_dispatch.py",
+        45,
+        "ep_dispatch_algorithm = get_exec().moe.ep_dispatch_algorithm",
+        "no dispatch info without ep_dispatch_algorithm (check_dispatch_follows_metadata)",
+    ),
+    UpstreamLine(
+        "srt/arg_groups/parallel_hook.py",
+        766,
+        'if (cfg.enable_eplb or (cfg.init_expert_location != "trivial")) and (',
+        "which sglang sets for --enable-eplb or a non-trivial --init-expert-location",
+    ),
+    UpstreamLine(
+        "srt/eplb/expert_location_updater.py",
+        73,
+        "old_expert_location_metadata.update(",
+        "sglang's rebalance copies new metadata in place, as adopt_map does",
+    ),
+)
 
 
 class LayoutShapeMismatch(ExpertLayoutStartupError):
@@ -43,7 +62,9 @@ class LayoutNotFollowed(ExpertLayoutStartupError):
 def check_map_shape(
     physical_to_logical_map: Sequence[Sequence[int]], initial: ExpertLocationMetadata
 ) -> None:
-    """Raise ``LayoutShapeMismatch`` unless the map is ``initial``'s layers x physical slots."""
+    """Raise ``LayoutShapeMismatch`` unless the map is ``initial``'s layers x physical slots (a
+    different slot count: the daemon and the engine run with different
+    ``--ep-num-redundant-experts``)."""
     from sglang.srt.runtime_context import get_exec
 
     engine_shape = tuple(initial.physical_to_logical_map_cpu.shape)
@@ -68,7 +89,12 @@ def check_map_shape(
 
 
 def check_dispatch_follows_metadata() -> None:
-    """Raise ``LayoutNotFollowed`` unless sglang dispatches tokens through the metadata."""
+    """Raise ``LayoutNotFollowed`` unless sglang dispatches tokens through the metadata.
+
+    sglang builds the dispatch info only when ``ep_dispatch_algorithm`` is set, which it does
+    for ``--enable-eplb`` or a non-trivial ``--init-expert-location`` (``UPSTREAM_LINES``);
+    without it the engine routes as if every expert were in its initial slot.
+    """
     from sglang.srt.runtime_context import get_exec
 
     moe = get_exec().moe

@@ -1,38 +1,18 @@
 """The ``EPLBManager.rebalance`` hook: move daemon-shared experts in two phases, chunk by chunk.
 
-Rules (../shared/DESIGN.md "Engine side", the proposal's "Rebalance" section):
+Weights from disk on every rank, or the weight cache off: sglang's own ``rebalance``,
+unchanged. Weights from the daemons on every rank, each attached to a daemon that keeps a
+record: each chunk is begun on every daemon, moved by sglang's own
+``update_expert_location_with_recovery``, and committed (``_move_chunk``). Otherwise (an older
+daemon, a daemon without ``--enable-eplb``, an engine that did not attach, ranks mixing disk
+and daemon weights, elastic EP) shared weights are never rebalanced; one warning per reason.
 
-- Weight cache off, or weights from disk on every rank: sglang's own ``rebalance``, unchanged.
-- Weights from the daemons on every rank, each attached to a daemon that keeps a record: per
-  chunk of ``--eplb-rebalance-layers-per-chunk`` layers,
-
-  1. every rank sends begin to its daemon; the ranks all-gather the replies over the world CPU
-     group. All ``ok`` -> move. Any ``refused`` (or an error) -> rebalancing is off for good, with
-     one warning. Otherwise any ``busy`` -> this rebalance stops and the next interval retries.
-     When not moving, the ranks whose begin succeeded send abort (so do ranks whose begin failed
-     in transport, in case it landed; the refusal of that abort is expected).
-  2. the experts move with sglang's ``update_expert_location_with_recovery``, unchanged;
-  3. a device synchronize, so the moved bytes have landed before a daemon serves them;
-  4. every rank commits the new rows of the chunk's layers; the ranks all-gather the replies and
-     check that every daemon recorded the same new version (base + 1) and that each daemon's
-     digest equals the digest this engine computes from its own whole map (the daemon's digest
-     is never trusted). If not, an error says to restart the daemons before another engine uses
-     them; the engine keeps serving and never rebalances again.
-
-- Otherwise (an older daemon, a daemon without ``--enable-eplb``, an engine that did not attach,
-  ranks mixing disk and daemon weights, elastic EP) shared weights are never rebalanced; one
-  warning per reason.
-
-The decisions (``decide_mode``, ``decide_begin``, ``check_commits``) are pure functions of
-all-gathered values in ``layout_ledger.core.startup_verdict``, so every rank takes the same branch
-and no rank is left waiting in a collective. This module holds the hook: the state it keeps per
-engine, the requests, the collectives and the steps of a chunk. It is the one place that knows the
-internals of ``EPLBManager.rebalance``; the two-phase path repeats its steps around each chunk
-because the original has no seam between its chunks.
-
-Where in sglang 0.5.23 (line numbers, to recheck on an upgrade): ``EPLBManager.rebalance`` is
-``eplb/eplb_manager.py:96-185``, and ``_rebalance_two_phase`` follows its lines 115-185 (the path
-without elastic EP).
+The decisions are pure functions of all-gathered values (``rebalance_decisions``), so every
+rank takes the same branch and none is left waiting in a collective. This module holds the
+hook: the state it keeps per engine, the requests, the collectives and the steps of a chunk.
+It is the one place that knows the internals of ``EPLBManager.rebalance``: the two-phase path
+repeats its steps around each chunk, since the original has no seam between its chunks
+(``UPSTREAM_LINES``).
 """
 
 from __future__ import annotations
@@ -56,11 +36,73 @@ from sglang_integration.engine.rebalance_decisions import (
     decide_mode,
 )
 from sglang_integration.engine.reply_gather import all_gather_small
+from sglang_integration.upstream_lines import UpstreamLine
 
 logger = logging.getLogger(__name__)
 
-# Register with HookType.AROUND and ``rebalance_around``.
+# Register with HookType.AROUND and ``rebalance_around`` (the plugin).
 HOOK_TARGET = "sglang.srt.eplb.eplb_manager.EPLBManager.rebalance"
+
+_MANAGER = "srt/eplb/eplb_manager.py"
+# The steps of sglang's rebalance that _rebalance_two_phase repeats, without elastic EP
+# (tests/test_upstream_lines.py checks the lines).
+UPSTREAM_LINES = (
+    UpstreamLine(_MANAGER, 96, "def rebalance(self", "the target"),
+    UpstreamLine(
+        _MANAGER,
+        97,
+        "if self._rebalance_disabled_reason is not None:",
+        "sglang's own pause, left to the original",
+    ),
+    UpstreamLine(_MANAGER, 115, 'logger.info("[EPLBManager] rebalance start")', "the start"),
+    UpstreamLine(
+        _MANAGER,
+        117,
+        "enable_timing = self._rebalance_layers_per_chunk is None",
+        "timed only without chunks",
+    ),
+    UpstreamLine(
+        _MANAGER,
+        123,
+        "dump_record_output = get_global_expert_distribution_recorder().dump_record(",
+        "the load the new layout is computed from",
+    ),
+    UpstreamLine(
+        _MANAGER,
+        132,
+        "if not self._check_rebalance_needed(average_utilization_rate_over_window):",
+        "nothing to do",
+    ),
+    UpstreamLine(
+        _MANAGER,
+        135,
+        "expert_location_metadata = self._compute_expert_location_metadata(",
+        "the new layout",
+    ),
+    UpstreamLine(
+        _MANAGER,
+        144,
+        "update_layer_ids_chunks = self._compute_update_layer_ids_chunks()",
+        "the chunks",
+    ),
+    UpstreamLine(
+        _MANAGER, 148, "self._log_rebalance_layout_before_update(", "the layout logged before"
+    ),
+    UpstreamLine(_MANAGER, 154, "yield", "one chunk per step of the generator"),
+    UpstreamLine(
+        _MANAGER,
+        155,
+        "update_expert_location_with_recovery(",
+        "the move of a chunk, called with the same arguments by _move_experts",
+    ),
+    UpstreamLine(
+        _MANAGER,
+        178,
+        "self._log_rebalance_layout_after_update(update_layer_ids=all_update_layer_ids)",
+        "the layout logged after",
+    ),
+    UpstreamLine(_MANAGER, 185, "logger.info(msg)", "the end"),
+)
 
 
 class RankLayoutClient(Protocol):
@@ -95,7 +137,7 @@ _STATE_ATTR = "_expert_layout_rebalance_state"
 def rank_status(weights_from: WeightSource | None, session: Any) -> RankLayoutStatus:
     """This rank's status from the loader's weight source and the startup hook's session.
 
-    ``session`` is ``engine_startup.EngineLayoutSession`` or None (startup did not attach).
+    ``session`` is ``startup.EngineLayoutSession`` or None (startup did not attach).
     """
     if session is None:
         return RankLayoutStatus(weights_from, None)
@@ -135,7 +177,7 @@ def _current_status_and_client() -> tuple[RankLayoutStatus, RankLayoutClient | N
 
     session = current_session()
     status = rank_status(weight_source(), session)
-    if not status.on_record:
+    if session is None or not status.on_record:
         return status, None
     return status, DaemonClient(session.socket_path, session.engine_id)
 
@@ -233,7 +275,22 @@ def _rebalance_two_phase(manager: Any, state: RebalanceState) -> Iterator[None]:
 
 
 def _move_chunk(manager: Any, state: RebalanceState, new_metadata: Any, chunk: list[int]) -> bool:
-    """One chunk: begin, move, synchronize, commit, verify. True if the next chunk may follow."""
+    """One chunk: begin, move, synchronize, commit, verify. True if the next chunk may follow.
+
+    1. every rank sends begin to its daemon; the ranks all-gather the replies over the world
+       CPU group. All ``ok`` -> move. Any ``refused`` (or an error) -> rebalancing is off for
+       good, with one warning. Otherwise any ``busy`` -> this rebalance stops and the next
+       interval retries. When not moving, the ranks whose begin succeeded send abort (so do
+       ranks whose begin failed in transport, in case it landed; the refusal of that abort is
+       expected);
+    2. the experts move with sglang's ``update_expert_location_with_recovery``, unchanged;
+    3. a device synchronize, so the moved bytes have landed before a daemon serves them;
+    4. every rank commits the new rows of the chunk's layers; the ranks all-gather the replies
+       and check that every daemon recorded the same new version (base + 1) and that each
+       daemon's digest equals the digest this engine computes from its own whole map (the
+       daemon's digest is never trusted). If not, an error says to restart the daemons before
+       another engine uses them; the engine keeps serving and never rebalances again.
+    """
     _, client = _current_status_and_client()
     base_version = state.version
     if client is None or base_version is None:

@@ -1,45 +1,14 @@
 """The hook on ``ModelRunner.maybe_init_expert_location_metadata``: start from the daemons' layout.
 
-Register (one line in the plugin)::
+sglang's ``ModelRunner.initialize`` calls the target before ``load_model``; the original builds
+the engine's initial expert-location metadata and the expert distribution recorder. With the
+weight cache on (``--weight-cache-mode client|daemon``) and a model with routed experts, the
+hook then has every rank attach to its own daemon, agree with the others on the daemons'
+layout, and route with it (``start_from_daemon_layout``), or fail on every rank with the
+reason. Dense models, draft workers and the weight cache off run the original untouched.
 
-    HookRegistry.register(
-        "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_expert_location_metadata",
-        around_maybe_init_expert_location_metadata,
-        HookType.AROUND,
-    )
-
-sglang 0.5.23 calls the target in ``ModelRunner.initialize`` before ``load_model``
-(model_runner.py:708 and :715). The original computes the engine's initial metadata and the
-expert distribution recorder (model_runner.py:753-782); this hook runs it first, then, with the
-weight cache on (``--weight-cache-mode client|daemon``) and a model that has expert-location
-metadata, on every rank of the engine:
-
-1. rank 0 makes a fresh engine_id and broadcasts it over the world CPU group (one id per engine
-   start, shared by all ranks, unique: a uuid; the host and pid in it are only for people
-   reading the daemon's ledger);
-2. each rank attaches to its own daemon at the socket path the IPC loader will use, and keeps
-   the attach connection open for the engine's lifetime (module state holds it);
-3. if another engine's move is pending there, it polls ``expert_layout_query`` until the move
-   ends, for at most ``SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT`` seconds (default 300);
-4. with the content check on (``content_settings``), it asks its daemon for its slots' content
-   (``startup_content.read_content``);
-5. the ranks all-gather what they found over the world CPU group and all compute the same
-   ``layout_ledger.core.startup_verdict.decide``, then ``startup_content.settle``: daemons an
-   engine left mid-move are repaired when their slots hold whole experts of a valid layout (one more
-   all-gather, of the repair replies), and every expert's expected fingerprint is kept for the
-   check after the weights are loaded (``loaded_content``);
-6. adopt the daemons' map (``expert_metadata.adopt_map``, one log line naming the version), keep
-   the initial layout, or raise ``ExpertLayoutStartupError`` with the reason on every rank.
-
-Dense models (no metadata), draft workers and the weight cache off: the original, untouched.
-A daemon that answers the attach with "Unknown request type" (sglang without this plugin) keeps
-no record: the engine starts with its own layout, logs one warning, and its shared weights are
-never rebalanced (``current_session().finding`` says why, for the rebalance hook).
-
-Every sglang internal this hook touches is read in this module: ``runner.is_draft_worker``,
-``runner.model_config``, ``runner.gpu_id``, the expert rank formula of model_runner.py:756-760,
-``get_model().weight_cache_mode`` / ``weight_cache_socket``, the loader's socket path rule
-(ipc_loader.py:458-460), and ``get_parallel().world_group`` (``GroupCoordinator``).
+Every sglang internal the hook reads is read here (``UPSTREAM_LINES``, ``_expert_rank``,
+``daemon_socket_path``, ``_world_group``).
 """
 
 from __future__ import annotations
@@ -69,17 +38,52 @@ from layout_ledger.core.startup_verdict import (
 from layout_ledger.wire.protocol import LayoutView, Outcome
 from sglang_integration.engine import client
 from sglang_integration.engine.startup_repair import StartupRank, read_content, settle
-from sglang_integration.settings import content_check
+from sglang_integration.settings import WAIT_TIMEOUT, content_check
+from sglang_integration.upstream_lines import UpstreamLine
 
 logger = logging.getLogger(__name__)
 
+# Register with HookType.AROUND and ``around_maybe_init_expert_location_metadata`` (the plugin).
 HOOK_TARGET = (
     "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_expert_location_metadata"
 )
 
-# Seconds a rank waits for another engine's pending move to end before the engine fails.
-WAIT_TIMEOUT_ENV = "SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT"
-DEFAULT_WAIT_TIMEOUT = 300.0
+_RUNNER = "srt/model_executor/model_runner.py"
+# The lines of sglang this hook relies on (tests/test_upstream_lines.py checks them).
+UPSTREAM_LINES = (
+    UpstreamLine(
+        _RUNNER, 708, "self.maybe_init_expert_location_metadata()", "initialize calls the target"
+    ),
+    UpstreamLine(_RUNNER, 715, "self.load_model()", "... before it loads the weights"),
+    UpstreamLine(
+        _RUNNER, 753, "def maybe_init_expert_location_metadata(self", "the target, run first"
+    ),
+    UpstreamLine(
+        _RUNNER,
+        756,
+        "expert_rank = get_parallel().moe_ep_rank + (",
+        "the expert rank the original passes to the metadata, repeated by _expert_rank",
+    ),
+    UpstreamLine(
+        "srt/weight_cache/ipc_loader.py",
+        458,
+        "if self.socket_path is None:",
+        "the IPC loader's socket rule, repeated by daemon_socket_path: the configured one...",
+    ),
+    UpstreamLine(
+        "srt/weight_cache/ipc_loader.py",
+        460,
+        "self.socket_path = get_socket_path(device_uuid)",
+        "... else sglang's path for the GPU's device UUID",
+    ),
+    UpstreamLine(
+        "srt/model_loader/loader.py",
+        4291,
+        "socket_path=load_config.weight_cache_socket,",
+        "the configured socket is --weight-cache-socket",
+    ),
+)
+
 # How often a waiting rank asks its daemon again.
 POLL_INTERVAL = 0.5
 
@@ -100,7 +104,7 @@ class EngineLayoutSession:
     attachment: client.Attachment | None
     version: int
     digest: str
-    # What every logical expert's slot must hold (None: no content check, see startup_content),
+    # What every logical expert's slot must hold (None: no content check, see startup_repair),
     # and this rank's local physical slots, for the check after the weights are loaded.
     expected_content: ExpertContents | None = None
     first_slot: int = 0
@@ -155,7 +159,31 @@ def around_maybe_init_expert_location_metadata(
 def start_from_daemon_layout(
     *, model_config: Any, metadata: Any, moe_ep_rank: int, socket_path: str
 ) -> EngineLayoutSession:
-    """Steps 1-6 of the module docstring for this rank; a collective over the world group."""
+    """This rank's start from its daemon's layout; a collective over the world group.
+
+    1. rank 0 makes a fresh engine id and broadcasts it over the world CPU group (one id per
+       engine start, shared by all ranks, unique: a uuid; the host and pid in it are only for
+       people reading the daemon's ledger);
+    2. each rank attaches to its own daemon at the socket path the IPC loader will use, and
+       keeps the attach connection open for the engine's lifetime (the session holds it);
+    3. if another engine's move is pending there, it polls ``expert_layout_query`` until the
+       move ends, for at most ``settings.WAIT_TIMEOUT`` seconds (``read_daemon``);
+    4. with the content check on, it asks its daemon for its slots' content
+       (``startup_repair.read_content``);
+    5. the ranks all-gather what they found and all compute the same
+       ``layout_ledger.core.startup_verdict.decide``, then ``startup_repair.settle``: daemons an
+       engine left mid-move are repaired when their slots hold whole experts of a valid layout
+       (one more all-gather, of the repair replies), and every expert's expected fingerprint is
+       kept for the check after the weights are loaded (``load_check``);
+    6. the rank adopts the daemons' map (``metadata.adopt_map``, one log line naming the
+       version), keeps the initial layout, or raises ``ExpertLayoutStartupError`` with the
+       reason, as every rank does.
+
+    A daemon that answers the attach with "Unknown request type" (sglang without this plugin)
+    keeps no record: the engine starts with its own layout, logs one warning, and its shared
+    weights are never rebalanced (``current_session().finding`` says why, for the rebalance
+    hook).
+    """
     from sglang_integration.engine.metadata import map_of
 
     world = _world_group()
@@ -245,27 +273,42 @@ def read_daemon(
     Returns the finding and the attachment (its connection still open when the daemon accepted
     it). A RECORD finding's map hashes to its digest (checked here).
     """
-    where = {"rank": rank, "socket_path": socket_path, "initial_digest": initial_digest}
+
+    def found(kind: FindingKind, reason: str | None) -> RankFinding:
+        return RankFinding(
+            rank=rank,
+            kind=kind,
+            socket_path=socket_path,
+            initial_digest=initial_digest,
+            reason=reason,
+        )
+
     attachment: client.Attachment | None = None
     try:
-        timeout = configured_wait_timeout() if wait_timeout is None else wait_timeout
+        timeout = WAIT_TIMEOUT.read() if wait_timeout is None else wait_timeout
         attachment = client.attach(socket_path, engine_id)
         reply = attachment.reply
         kind = _KIND_OF_ATTACH_OUTCOME.get(reply.outcome)
         if kind is not None:
-            return RankFinding(kind=kind, reason=reply.reason, **where), attachment
+            return found(kind, reply.reason), attachment
         if reply.outcome is not Outcome.OK or reply.layout is None:
             reason = f"attach {reply.outcome.value}: {reply.reason}"
-            return RankFinding(kind=FindingKind.UNREADABLE, reason=reason, **where), attachment
+            return found(FindingKind.UNREADABLE, reason), attachment
         layout = _wait_for_pending_move(socket_path, reply.layout, timeout, poll_interval)
     except Exception as exc:  # every rank must reach the all-gather
         logger.exception("Reading the expert layout of the daemon at %s failed", socket_path)
         reason = f"{type(exc).__name__}: {exc}"
-        return RankFinding(kind=FindingKind.UNREADABLE, reason=reason, **where), attachment
+        return found(FindingKind.UNREADABLE, reason), attachment
     if isinstance(layout, _WaitFailure):
-        return RankFinding(kind=layout.kind, reason=layout.reason, **where), attachment
-    still_pending = f" after {timeout:g} s ({WAIT_TIMEOUT_ENV})"
-    return finding_from_layout(layout, still_pending=still_pending, **where), attachment
+        return found(layout.kind, layout.reason), attachment
+    finding = finding_from_layout(
+        layout,
+        rank=rank,
+        socket_path=socket_path,
+        initial_digest=initial_digest,
+        still_pending=f" after {timeout:g} s ({WAIT_TIMEOUT.env})",
+    )
+    return finding, attachment
 
 
 _KIND_OF_ATTACH_OUTCOME = {
@@ -297,7 +340,7 @@ def _wait_for_pending_move(
         socket_path,
         pending.base_version,
         timeout,
-        WAIT_TIMEOUT_ENV,
+        WAIT_TIMEOUT.env,
     )
     deadline = time.monotonic() + timeout
     while layout.pending is not None and not layout.dirty:
@@ -319,40 +362,26 @@ def _wait_for_pending_move(
     return layout
 
 
-def configured_wait_timeout() -> float:
-    """``SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT`` in seconds (default 300); raise on a bad value."""
-    raw = os.environ.get(WAIT_TIMEOUT_ENV)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_WAIT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{WAIT_TIMEOUT_ENV}={raw!r} is not a finite number of seconds >= 0")
-    return value
-
-
 def daemon_socket_path(gpu_id: int) -> str:
-    """The socket the IPC loader connects to (ipc_loader.py:458-460, loader.py:4289-4291)."""
+    """The socket the IPC loader connects to (its rule, ``UPSTREAM_LINES``)."""
     from sglang.srt.runtime_context import get_model
 
     configured = get_model().weight_cache_socket
     if configured is not None:
-        return configured
+        return str(configured)
     from sglang.srt.platforms import current_platform
     from sglang.srt.weight_cache.protocol import get_socket_path
 
-    return get_socket_path(current_platform.get_device_uuid(int(gpu_id)))
+    return str(get_socket_path(current_platform.get_device_uuid(int(gpu_id))))
 
 
 def _expert_rank() -> int:
-    """The ``moe_ep_rank`` the original passes to the metadata (model_runner.py:756-760)."""
+    """The ``moe_ep_rank`` the original passes to the metadata (``UPSTREAM_LINES``)."""
     from sglang.srt.runtime_context import get_exec, get_parallel
 
     parallel = get_parallel()
     offset = parallel.ep_join_rank_offset if get_exec().moe.is_ep_scale_joiner else 0
-    return parallel.moe_ep_rank + offset
+    return int(parallel.moe_ep_rank + offset)
 
 
 def _world_group() -> Any:

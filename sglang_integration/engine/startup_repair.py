@@ -1,24 +1,11 @@
 """The content round of engine startup: ask each daemon for its slots' content, repair, expect.
 
-Called by the startup hook (``engine_startup``) on every rank, with the world group it uses:
-
-1. ``read_content``: a rank whose daemon keeps a record (clean or dirty) sends it
-   ``expert_layout_content_check``; the daemon fingerprints its slots now and answers with what
-   it recorded and what it found (``protocol.ContentView``). The ranks all-gather it with their
-   layout findings.
-2. ``settle``: a daemon whose check found content that moved without a commit fails startup.
-   Daemons that an engine left mid-move are repaired when ``content_agreement.plan_repair``
-   derives a valid layout from the slots' content: every rank sends its daemon
-   ``expert_layout_repair`` (the derived rows of the pending layers and that daemon's
-   fingerprints of them), the ranks all-gather the replies, and every daemon must report the
-   new version and the digest of the engine's own repaired map (as after a commit), else every
-   rank fails. Last, every logical expert's expected fingerprint, for the check after the
-   weights are loaded (``loaded_content``).
-
-A daemon from before content checks (``Unknown request type``), one with the content check off,
-or one without expert tensors: no check and no repair, one warning on the first rank; startup as
-before. An engine that keeps its initial layout because some daemon keeps no layout record at all
-(it warned about that already) checks no content either.
+The startup hook (``startup``) calls ``read_content`` and ``settle`` on every rank, with the
+world group it uses; the decisions themselves are ``content_decisions``'. A daemon from before
+content checks (``Unknown request type``), one with the content check off, or one without
+expert tensors: no check and no repair, one warning on the first rank; startup as before. An
+engine that keeps its initial layout because some daemon keeps no layout record at all (it
+warned about that already) checks no content either.
 """
 
 from __future__ import annotations
@@ -74,7 +61,12 @@ class StartupRank:
 def read_content(
     socket_path: str, finding: RankFinding, *, rank: int, mode: ContentCheck
 ) -> RankContent:
-    """This rank's daemon's content (never raises: a failure is a finding)."""
+    """This rank's daemon's content (never raises: a failure is a finding).
+
+    A rank whose daemon keeps a record (clean or dirty) sends it ``expert_layout_content_check``;
+    the daemon fingerprints its slots now and answers with what it recorded and what it found
+    (``protocol.ContentView``). The ranks then all-gather it with their layout findings.
+    """
     if mode is ContentCheck.OFF or finding.kind not in _ASKED:
         return RankContent(rank, ContentKind.NOT_ASKED)
     try:
@@ -96,6 +88,14 @@ def settle(
     this: StartupRank,
 ) -> tuple[Decision, ExpertContents | None]:
     """The startup decision after the content round, and the experts' expected contents.
+
+    A daemon whose check found content that moved without a commit fails startup. Daemons that
+    an engine left mid-move are repaired when ``content_decisions.plan_repair`` derives a valid
+    layout from the slots' content: every rank sends its daemon ``expert_layout_repair`` (the
+    derived rows of the pending layers and that daemon's fingerprints of them), the ranks
+    all-gather the replies, and every daemon must report the new version and the digest of the
+    engine's own repaired map (as after a commit), else every rank fails. Last, every logical
+    expert's expected fingerprint, for the check after the weights are loaded (``load_check``).
 
     A collective over ``world`` when a repair is tried; every rank reaches the same result.
     """

@@ -1,6 +1,6 @@
 """Where this rank's weights came from: the weight cache daemon, or disk.
 
-The IPC loader hook records it once per load (``loader_hooks``); the rebalance hook reads it:
+The IPC loader hook records it once per load (``ipc_loader``); the rebalance hook reads it:
 weights from disk on every rank belong to the engine and rebalance as before, weights from the
 daemons move only through the two-phase protocol, and a mix never rebalances. Nothing recorded
 means the IPC loader did not run (weight cache off). One value per process, i.e. per rank.

@@ -1,33 +1,12 @@
 """CPU engine ranks for tests and the demo: sglang's real EPLB code on shared-memory experts.
 
 One engine of ``world_size`` ranks is ``world_size`` fresh processes forked from a forkserver
-that imported sglang once (``engine_process_context``). Each rank (``run_engine_rank``):
-
-1. publishes real ``ServerArgs`` for a tiny Qwen3-MoE ``config.json`` without weights
-   (``--weight-cache-mode client``, ``--enable-eplb``, its daemon's socket as
-   ``--weight-cache-socket``) and joins sglang's world group on torch.distributed gloo;
-2. with the plugin, calls the plugin's real entry point ``sglang_integration.plugin.register()``
-   and sglang's ``HookRegistry.apply_hooks()``, as ``load_plugins()`` does in an engine process;
-   without it (the plugin disabled), applies no hook at all;
-3. runs sglang's real ``ModelRunner.maybe_init_expert_location_metadata`` (hooked by the plugin:
-   attach to its daemon, agree over the world group, repair dirty daemons, adopt the daemon's
-   layout or fail) on a namespace holding the attributes the method and the hooks read, because
-   building a real ``ModelRunner`` allocates accelerator memory;
-4. records that its weights came from the daemon: the IPC loader's ``fetch_state`` maps CUDA IPC
-   handles, which a CPU cannot, so the experts are instead the daemon's shared-memory files
-   (``shared_experts``), mapped read-write, where an in-place move by one engine is seen by all;
-   the plugin's ``ModelRunner.load_model`` hook runs around that mapping (each slot must hold
-   the expert the map names);
-5. builds sglang's real ``EPLBManager`` with sglang's real ``ExpertLocationUpdater`` (behind
-   ``StoppableUpdater``) and ``SyntheticLoadRecorder`` standing in for the expert distribution
-   recorder (nothing routes tokens here);
-6. obeys the parent's commands on a pipe (``CpuEngine`` is the parent's handle): rebalance,
-   wait until alone on its daemon, stop at a chosen point of a rebalance so that the parent can
-   SIGKILL it there, exit.
-
-Two GPU stand-ins, and only these: the namespace runner of step 3 (with the expert distribution
-recorder's counters on the CPU, ``_counters_on_the_cpu``) and the shared-memory experts of
-step 4. Each rank's output goes to a log file; its plugin log lines also come back in reports.
+that imported sglang once (``engine_process_context``); each runs ``run_engine_rank``, and
+``CpuEngine`` is the parent's handle on them. Two GPU stand-ins, and only these: a namespace in
+place of the ``ModelRunner`` (with the expert distribution recorder's counters on the CPU,
+``_counters_on_the_cpu``) and the shared-memory experts (``shared_experts``) in place of the
+daemon's CUDA IPC tensors. Each rank's output goes to a log file; its plugin log lines also
+come back in reports.
 """
 
 from __future__ import annotations
@@ -103,10 +82,10 @@ def release_forkserver() -> None:
 
     server = getattr(forkserver, "_forkserver", None)
     alive_fd = getattr(server, "_forkserver_alive_fd", None)
-    if isinstance(alive_fd, int):
+    if server is not None and isinstance(alive_fd, int):
         with contextlib.suppress(OSError):
             os.close(alive_fd)
-        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+        server._forkserver_alive_fd = None
 
 
 def free_port() -> int:
@@ -568,6 +547,30 @@ def _log_to(path: str | None) -> None:
 def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     """Process target: one engine rank. Sends ``started`` (with a report) or ``startup_failed``
     (the startup hook refused: ``error`` is its reason), then answers commands until ``exit``.
+
+    The rank
+
+    1. publishes real ``ServerArgs`` for a tiny Qwen3-MoE ``config.json`` without weights
+       (``--weight-cache-mode client``, ``--enable-eplb``, its daemon's socket as
+       ``--weight-cache-socket``) and joins sglang's world group on torch.distributed gloo;
+    2. with the plugin, calls the plugin's real entry point ``sglang_integration.plugin.register()``
+       and sglang's ``HookRegistry.apply_hooks()``, as ``load_plugins()`` does in an engine process;
+       without it (the plugin disabled), applies no hook at all;
+    3. runs sglang's real ``ModelRunner.maybe_init_expert_location_metadata`` (hooked by the plugin:
+       attach to its daemon, agree over the world group, repair dirty daemons, adopt the daemon's
+       layout or fail) on a namespace holding the attributes the method and the hooks read, because
+       building a real ``ModelRunner`` allocates accelerator memory;
+    4. records that its weights came from the daemon: the IPC loader's ``fetch_state`` maps CUDA IPC
+       handles, which a CPU cannot, so the experts are instead the daemon's shared-memory files
+       (``shared_experts``), mapped read-write, where an in-place move by one engine is seen by all;
+       the plugin's ``ModelRunner.load_model`` hook runs around that mapping (each slot must hold
+       the expert the map names);
+    5. builds sglang's real ``EPLBManager`` with sglang's real ``ExpertLocationUpdater`` (behind
+       ``StoppableUpdater``) and ``SyntheticLoadRecorder`` standing in for the expert distribution
+       recorder (nothing routes tokens here);
+    6. obeys the parent's commands on a pipe (``CpuEngine`` is the parent's handle): rebalance,
+       wait until alone on its daemon, stop at a chosen point of a rebalance so that the parent can
+       SIGKILL it there, exit.
 
     Commands are ``(verb, fields)``: ``rebalance`` (count), ``wait_alone`` (timeout),
     ``stop_between_chunks`` / ``stop_in_move`` (count of whole rebalances first; the rank then

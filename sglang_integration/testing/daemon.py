@@ -4,49 +4,14 @@
         --num-layers L --num-logical-experts E --num-physical-experts P [--no-record] \\
         [--experts DIR --expert-rank R] [--expert-layout-content-check enforce|warn|off]
 
-runs sglang 0.5.23's real ``WeightCacheDaemon.serve`` loop and ``_handle_connection`` with this
-plugin's hooks (``daemon_hooks``), serving no tensors. Its initial layout is sglang's trivial one
-(``trivial_map``: slot i holds expert i mod E, as ``ExpertLocationMetadata.init_trivial``
-builds it); ``query_config`` returns its ``CacheConfig``, and ``fetch_state`` with that config
-succeeds (``ok``, no entries) when the layout check lets it through. It is ready when the socket
-file exists, and exits 0 on SIGTERM or SIGINT (sglang's own handlers stop the loop; the serve
-hook then ends the ledger incarnation cleanly).
-
-What is skipped, and why (``build_model_less_daemon``):
-
-- ``WeightCacheDaemon.__init__`` (daemon.py:150-190) is not called. It copies fields out of a
-  resolved ``ServerArgs`` (which needs a model directory) and derives the socket path from
-  ``current_platform.get_device_uuid(gpu_id)``, which sglang's generic platform on a CPU does not
-  implement (``NotImplementedError``). The instance is made with ``__new__`` and every attribute
-  ``__init__`` sets is set explicitly below, with the socket path from ``--socket`` and the ready
-  file beside it (``PATH.ready``).
-- ``WeightCacheDaemon.load`` (daemon.py:252-401) is not called: it requires a CUDA-alike
-  platform (its first statement raises otherwise), then loads a model and exports CUDA IPC
-  handles. What it leaves behind for serving is set instead: ``config`` (a ``CacheConfig`` naming
-  this fake model, with sglang's own ``compute_env_stamp``), ``state_entries`` (empty: no
-  tensors), ``transport_backend`` (sglang's ``choose_daemon_transport_backend({})``, i.e.
-  torch_ipc) and ``preloaded_weights_bytes`` (0). The layout side that the load hook opens after
-  ``load`` is opened by the same functions (``open_ledger_record``, ``set_daemon_layout``) with the
-  trivial map, so the only code not run is the load hook's reading of sglang's global
-  ``ExpertLocationMetadata``.
-
-Options beyond the contract: ``--in-memory`` keeps the record in memory (``MemoryJournal``, for
-benchmarks), ``--without-plugin`` runs sglang's daemon with no hook at all (for comparisons with
-sglang 0.5.23's own behaviour), ``--keep-versions`` / ``--prune-every`` set retention,
-``--request-timeout`` the connection deadline (the launcher's ``--expert-layout-request-timeout``;
-without it, ``SGLANG_EXPERT_LAYOUT_REQUEST_TIMEOUT`` or 5 s, as in a real daemon).
-``--device-uuid``, ``--gpu-id``, ``--tp-rank``, ``--pp-rank`` and ``--ep-rank`` say which rank
-this daemon stands in for: the ledger records them as the incarnation's origin (with the host,
-pid, socket and versions, which it always records); without them they are recorded as unknown,
-since a model-less daemon has no GPU.
-
-Expert content: without ``--experts`` the daemon has no tensors and records no fingerprints (it
-answers the content check ``no_record``). With ``--experts DIR --expert-rank R`` it maps EP rank
-R's expert files (``expert_files``: the format the CPU harness writes, the stand-in for a real
-daemon's CUDA-IPC tensors) and does what a real daemon with a model does: fingerprints its local
-slots at start (version 0) and checks replicas, fingerprints the moved layers at each commit,
-and answers the content check and repairs from them, as ``--expert-layout-content-check`` (or
-``SGLANG_EXPERT_LAYOUT_CONTENT_CHECK``, default enforce) says.
+runs sglang's real ``WeightCacheDaemon.serve`` loop and ``_handle_connection`` with this
+plugin's hooks, serving no tensors. Its initial layout is sglang's trivial one (slot i holds
+expert i mod E); ``query_config`` returns its ``CacheConfig``, and ``fetch_state`` with that
+config succeeds (``ok``, no entries) when the layout check lets it through. It is ready when the
+socket file exists, and exits 0 on SIGTERM or SIGINT (sglang's own handlers stop the loop; the
+serve hook then ends the ledger incarnation cleanly). What of sglang's daemon it skips, and why:
+``build_model_less_daemon``; its options beyond the contract: ``parse_args``; expert content:
+``open_layout_service``.
 """
 
 from __future__ import annotations
@@ -64,24 +29,49 @@ from layout_ledger.core.layout import Geometry, trivial_map
 from layout_ledger.core.record import LayoutRecord
 from layout_ledger.store.ledger import Ledger
 from layout_ledger.store.origin import IncarnationOrigin
-from layout_ledger.store.retention import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY, Retention
+from layout_ledger.store.retention import Retention
 from layout_ledger.wire.service import LayoutService
-from sglang_integration.daemon import ledger_paths
-from sglang_integration.settings import (
-    CHOICES,
-    CONTENT_CHECK_ENV,
-    ContentCheck,
-    content_check,
-    parse_content_check,
-)
+from sglang_integration import settings
+from sglang_integration.settings import CONTENT_CHECK, REQUEST_TIMEOUT, ContentCheck
 from sglang_integration.testing.expert_files import ExpertFilesError
+from sglang_integration.upstream_lines import UpstreamLine
 
 logger = logging.getLogger(__name__)
 
 MODEL_ARCH = "ModelLessTestDaemon"
 
+_DAEMON_FILE = "srt/weight_cache/daemon.py"
+# What of sglang's daemon build_model_less_daemon stands in for (tests/test_upstream_lines.py
+# checks the lines).
+UPSTREAM_LINES = (
+    UpstreamLine(_DAEMON_FILE, 150, "def __init__(", "not called: its fields are set instead"),
+    UpstreamLine(_DAEMON_FILE, 158, "self.server_args = server_args", "the first field it sets"),
+    UpstreamLine(_DAEMON_FILE, 190, "self.transport_backend = None", "the last field it sets"),
+    UpstreamLine(_DAEMON_FILE, 252, "def load(self", "not called: what it leaves is set instead"),
+    UpstreamLine(_DAEMON_FILE, 329, "self.config = CacheConfig(", "load's config"),
+    UpstreamLine(_DAEMON_FILE, 396, "self._export_state()", "load's tensors (none here)"),
+    UpstreamLine(
+        _DAEMON_FILE,
+        644,
+        "kill_itself_when_parent_died()",
+        "run_weight_cache_daemon dies with its parent; main does the same",
+    ),
+)
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The contract's options, and some beyond it.
+
+    ``--in-memory`` keeps the record in memory (``MemoryJournal``, for benchmarks),
+    ``--without-plugin`` runs sglang's daemon with no hook at all (for comparisons with
+    sglang's own behaviour), ``--keep-versions`` / ``--prune-every`` set retention,
+    ``--request-timeout`` the connection deadline (the launcher's
+    ``--expert-layout-request-timeout``; without it ``settings.REQUEST_TIMEOUT``, as in a real
+    daemon). ``--device-uuid``, ``--gpu-id``, ``--tp-rank``, ``--pp-rank`` and ``--ep-rank``
+    say which rank this daemon stands in for: the ledger records them as the incarnation's
+    origin (with the host, pid, socket and versions, which it always records); without them
+    they are recorded as unknown, since a model-less daemon has no GPU.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m sglang_integration.testing.daemon",
         description="sglang's real WeightCacheDaemon serve loop with the expert layout hooks, "
@@ -117,19 +107,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--expert-rank", type=int, default=0, metavar="R")
     parser.add_argument(
         "--expert-layout-content-check",
-        choices=CHOICES,
+        choices=settings.CHOICES,
         default=None,
-        help=f"enforce, warn or off (default: {CONTENT_CHECK_ENV}, else enforce)",
+        help=f"enforce, warn or off (default: {CONTENT_CHECK.env}, else "
+        f"{CONTENT_CHECK.default_text})",
     )
-    parser.add_argument("--keep-versions", type=int, default=DEFAULT_KEEP_VERSIONS)
-    parser.add_argument("--prune-every", type=int, default=DEFAULT_PRUNE_EVERY)
+    parser.add_argument("--keep-versions", type=int, default=settings.DEFAULT_KEEP_VERSIONS)
+    parser.add_argument("--prune-every", type=int, default=settings.DEFAULT_PRUNE_EVERY)
     parser.add_argument(
         "--request-timeout",
-        type=float,
         default=None,
         metavar="SECONDS",
         help="seconds a client has for its whole request, and again for its reply "
-        "(default: SGLANG_EXPERT_LAYOUT_REQUEST_TIMEOUT, else 5)",
+        f"(default: {REQUEST_TIMEOUT.env}, else {REQUEST_TIMEOUT.default_text})",
     )
     parser.add_argument("--log-level", default="INFO")
     origin = parser.add_argument_group(
@@ -144,9 +134,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--ledger is required (or pass --no-record / --in-memory)")
     try:
         if args.request_timeout is None:
-            args.request_timeout = ledger_paths.request_timeout_from_env()
-        ledger_paths.check_request_timeout(args.request_timeout, "--request-timeout")
-    except ledger_paths.LedgerSettingError as exc:
+            args.request_timeout = REQUEST_TIMEOUT.read()
+        else:
+            args.request_timeout = REQUEST_TIMEOUT.parse(args.request_timeout, "--request-timeout")
+    except settings.SettingError as exc:
         parser.error(str(exc))
     return args
 
@@ -184,14 +175,31 @@ def model_less_cache_config(geometry: Geometry) -> dict[str, Any]:
 
 
 def build_model_less_daemon(socket_path: str, cache_config: dict[str, Any]) -> Any:
-    """sglang's ``WeightCacheDaemon`` without ``__init__`` or ``load`` (module docstring)."""
+    """sglang's ``WeightCacheDaemon`` without ``__init__`` or ``load`` (``UPSTREAM_LINES``).
+
+    - ``__init__`` is not called. It copies fields out of a resolved ``ServerArgs`` (which
+      needs a model directory) and derives the socket path from
+      ``current_platform.get_device_uuid(gpu_id)``, which sglang's generic platform on a CPU
+      does not implement (``NotImplementedError``). The instance is made with ``__new__`` and
+      every attribute ``__init__`` sets is set explicitly below, with the socket path given and
+      the ready file beside it (``PATH.ready``).
+    - ``load`` is not called: it requires a CUDA-alike platform (its first statement raises
+      otherwise), then loads a model and exports CUDA IPC handles. What it leaves behind for
+      serving is set instead: ``config`` (a ``CacheConfig`` naming this fake model, with
+      sglang's own ``compute_env_stamp``), ``state_entries`` (empty: no tensors),
+      ``transport_backend`` (sglang's ``choose_daemon_transport_backend({})``, i.e. torch_ipc)
+      and ``preloaded_weights_bytes`` (0). The layout side that the load hook opens after
+      ``load`` is opened by the same functions (``record_opening``, ``layout_side``) with the
+      trivial map, so the only code not run is the load hook's reading of sglang's global
+      ``ExpertLocationMetadata``.
+    """
     from sglang.srt.weight_cache.daemon import WeightCacheDaemon
     from sglang.srt.weight_cache.protocol import CacheConfig
     from sglang.srt.weight_cache.transport import choose_daemon_transport_backend
 
     config = CacheConfig.from_dict(cache_config)
     daemon = WeightCacheDaemon.__new__(WeightCacheDaemon)
-    # What __init__ sets (daemon.py:158-190), from the stated config instead of ServerArgs.
+    # What __init__ sets, from the stated config instead of ServerArgs.
     daemon.server_args = None
     daemon.model_path = config.model_path
     daemon.gpu_id = 0
@@ -216,7 +224,7 @@ def build_model_less_daemon(socket_path: str, cache_config: dict[str, Any]) -> A
     daemon.socket_path = socket_path
     daemon.ready_path = f"{socket_path}.ready"
     daemon.model = None
-    # What load() leaves for serving (daemon.py:329-396): no tensors.
+    # What load() leaves for serving: no tensors.
     daemon.config = config
     daemon.state_entries = {}
     daemon.preloaded_weights_bytes = 0
@@ -227,9 +235,17 @@ def build_model_less_daemon(socket_path: str, cache_config: dict[str, Any]) -> A
 def open_layout_service(
     args: argparse.Namespace, geometry: Geometry, cache_config: dict[str, Any]
 ) -> tuple[LayoutService, Ledger | None]:
-    """The daemon's record as ``--no-record`` / ``--in-memory`` / ``--ledger`` ask, with the
-    expert files' content when ``--experts`` names them."""
-    from sglang_integration.daemon.hooks import (
+    """The daemon's record as ``--no-record`` / ``--in-memory`` / ``--ledger`` ask.
+
+    Without ``--experts`` the daemon has no tensors and records no fingerprints (it answers the
+    content check ``no_record``). With ``--experts DIR --expert-rank R`` it maps EP rank R's
+    expert files (``expert_files``: the format the CPU harness writes, the stand-in for a real
+    daemon's CUDA-IPC tensors) and does what a real daemon with a model does: fingerprints its
+    local slots at start (version 0) and checks replicas, fingerprints the moved layers at each
+    commit, and answers the content check and repairs from them, as
+    ``--expert-layout-content-check`` (else ``settings.CONTENT_CHECK``) says.
+    """
+    from sglang_integration.daemon.record_opening import (
         check_loaded_content,
         config_fingerprint,
         loaded_fingerprints,
@@ -274,8 +290,10 @@ def open_layout_service(
 
 def content_mode(args: argparse.Namespace) -> ContentCheck:
     if args.expert_layout_content_check is not None:
-        return parse_content_check(args.expert_layout_content_check)
-    return content_check()
+        return settings.content_check_mode(
+            args.expert_layout_content_check, "--expert-layout-content-check"
+        )
+    return settings.content_check()
 
 
 def remove_stale_socket(socket_path: str) -> None:
@@ -303,9 +321,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from sglang.srt.utils import kill_itself_when_parent_died
 
-    # As sglang's run_weight_cache_daemon does (daemon.py:642-644): die with the parent.
+    # As sglang's run_weight_cache_daemon does (UPSTREAM_LINES): die with the parent.
     kill_itself_when_parent_died()
-    from sglang_integration.daemon.hooks import install_daemon_hooks, set_daemon_layout
+    from sglang_integration.daemon.hooks import install_daemon_hooks
+    from sglang_integration.daemon.layout_side import set_daemon_layout
 
     geometry = Geometry(
         num_layers=args.num_layers,
@@ -330,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         daemon.serve()
     except BaseException:
         if not args.without_plugin:
-            from sglang_integration.daemon.hooks import close_daemon_layout
+            from sglang_integration.daemon.layout_side import close_daemon_layout
 
             close_daemon_layout(daemon)
         raise

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -201,7 +202,11 @@ class DaemonProcess:
 
     @property
     def pid(self) -> int:
-        pid = self.process.pid if self.process is not None else self.popen.pid  # type: ignore[union-attr]
+        pid = None
+        if self.process is not None:
+            pid = self.process.pid
+        elif self.popen is not None:
+            pid = self.popen.pid
         if pid is None:
             raise RuntimeError("the daemon process has not started")
         return pid

@@ -6,21 +6,10 @@ either a malformed or must-fail request (``sglang_integration.testing.fuzz_reque
 step of several engines (attach through a separate engine process, begin, commit, abort, query,
 fetch, the SIGKILL or clean exit of an engine). Every ~``restart_every`` requests, and soon after a
 dirty mark or a non-following fetch, the daemon is stopped (SIGTERM, or SIGKILL every other
-time), the ledger verified, and a new daemon started on the same ledger.
-
-Each request is judged against a shadow: the same rules (``LayoutService`` over a
-``LayoutRecord``) in this process, fed the same requests and detaches, whose journal only counts
-what it is handed. Per request:
-
-- **protocol**: a layout request's reply must equal the shadow's, read as a valid reply by the
-  engine's own parser (``protocol.Reply.from_wire``), carry a ``reason`` unless ``ok``, never be
-  ``error``; a fetch the shadow serves must be served (``ok``), one it refuses refused alike;
-  anything else gets a dict with a ``status``, or nothing (sglang closes the connection);
-- **record**: the ledger's new events, refusal audit entries and others counted apart (read
-  from ``ledger_events``), must be what the shadow's journal took; a refused request adds
-  exactly one refusal entry and nothing else, and a request that is no layout request adds none;
-- **crash**: the daemon process must be alive after it;
-- **verify**: ``layout-ledger verify`` must pass after each daemon's run.
+time), the ledger verified, and a new daemon started on the same ledger. Each request is judged
+against a shadow: the same rules (``LayoutService`` over a ``LayoutRecord``) in this process, fed
+the same requests and detaches, whose journal only counts what it is handed
+(``FuzzSession.judge``).
 """
 
 from __future__ import annotations
@@ -280,8 +269,8 @@ class FuzzSession:
                 reply = self.shadow.handle(message)
                 return Expected("layout", reply, _minus(self.journal.counts(), before), kind)
             if kind == msg.FETCH_STATE and self.config_matches(message):
-                reply = self.shadow.check_fetch(message)
-                return Expected("fetch", reply, _minus(self.journal.counts(), before), kind)
+                refusal = self.shadow.check_fetch(message)
+                return Expected("fetch", refusal, _minus(self.journal.counts(), before), kind)
         return Expected("other")
 
     def config_matches(self, message: dict[str, Any]) -> bool:
@@ -315,6 +304,22 @@ class FuzzSession:
             self.await_detach(str(message["engine_id"]))
 
     def judge(self, expected: Expected, reply: Any, added: tuple[int, int], described: str) -> None:
+        """One request's reply and ledger growth against the shadow's, by the rules:
+
+        - **protocol**: a layout request's reply must equal the shadow's, read as a valid reply
+          by the engine's own parser (``protocol.Reply.from_wire``), carry a ``reason`` unless
+          ``ok``, never be ``error``; a fetch the shadow serves must be served (``ok``), one it
+          refuses refused alike; anything else gets a dict with a ``status``, or nothing (sglang
+          closes the connection);
+        - **record**: the ledger's new events, refusal audit entries and others counted apart
+          (read from ``ledger_events``), must be what the shadow's journal took; a refused
+          request adds exactly one refusal entry and nothing else, and a request that is no
+          layout request adds none.
+
+        Two more rules hold after the request: the daemon process must be alive
+        (``check_alive``), and ``layout-ledger verify`` must pass after each daemon's run
+        (``verify``).
+        """
         status = reply.get("status") if isinstance(reply, dict) else None
         self.tally.statuses[str(status)] += 1
         if expected.kind == "other":

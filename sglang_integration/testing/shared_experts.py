@@ -33,7 +33,27 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sglang_integration.upstream_lines import UpstreamLine
+
 logger = logging.getLogger(__name__)
+
+_MANAGER = "srt/eplb/eplb_manager.py"
+# What of the model sglang's EPLB code reads, which SharedExpertsModel stands in for
+# (tests/test_upstream_lines.py checks the lines).
+UPSTREAM_LINES = (
+    UpstreamLine(
+        _MANAGER,
+        242,
+        "list(self._get_model().routed_experts_weights_of_layer.keys())",
+        "EPLBManager reads the layer ids from the model",
+    ),
+    UpstreamLine(
+        _MANAGER,
+        312,
+        "model.routed_experts_weights_of_layer,",
+        "update_expert_location_with_recovery hands the tensors to the updater",
+    ),
+)
 
 # What slot_logical_ids reports for a slot whose bytes are not one whole expert.
 HOLDS_NO_EXPERT = -1
@@ -295,8 +315,8 @@ def remove_shared_experts(directory: str | os.PathLike[str], ep_size: int) -> No
 class SharedExpertsModel(nn.Module):
     """The part of an MoE model that sglang's EPLB code reads: ``routed_experts_weights_of_layer``.
 
-    ``EPLBManager`` reads the layer ids from it (eplb_manager.py:240-245) and
-    ``update_expert_location_with_recovery`` hands it to the updater (eplb_manager.py:311-313).
+    ``EPLBManager`` reads the layer ids from it and ``update_expert_location_with_recovery``
+    hands it to the updater (``UPSTREAM_LINES``).
     """
 
     def __init__(self, experts: SharedExperts) -> None:

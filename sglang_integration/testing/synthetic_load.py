@@ -3,11 +3,10 @@
 On a GPU, ``EPLBManager.rebalance`` reads the load from the expert distribution recorder:
 ``dump_record(output_mode="object")["logical_count"]``, an int tensor of shape
 ``(buffer_steps, num_layers, num_logical_experts)`` that is all-reduced, so every rank holds the
-same counts (expert_distribution.py:982-1001) and computes the same new layout with
-``ExpertLocationMetadata.init_by_eplb`` (eplb_manager.py:123-138, 187-194). On a CPU nothing
-routes tokens, so :class:`SyntheticLoadRecorder` stands in for that recorder: it returns
-:func:`skewed_logical_count` for the next step of a seeded sequence, the same on every rank
-without any collective.
+same counts, and computes the same new layout with ``ExpertLocationMetadata.init_by_eplb``
+(``UPSTREAM_LINES``). On a CPU nothing routes tokens, so :class:`SyntheticLoadRecorder` stands
+in for that recorder: it returns :func:`skewed_logical_count` for the next step of a seeded
+sequence, the same on every rank without any collective.
 """
 
 from __future__ import annotations
@@ -16,6 +15,48 @@ import random
 from typing import Any
 
 import torch
+
+from sglang_integration.upstream_lines import UpstreamLine
+
+_MANAGER = "srt/eplb/eplb_manager.py"
+# What of sglang's expert distribution recorder SyntheticLoadRecorder stands in for
+# (tests/test_upstream_lines.py checks the lines).
+UPSTREAM_LINES = (
+    UpstreamLine(
+        "srt/eplb/expert_distribution.py",
+        982,
+        "def dump(self, output_mode: _OutputMode):",
+        "the recorder's all-reduced counts: the same on every rank",
+    ),
+    UpstreamLine(
+        _MANAGER,
+        63,
+        "if not get_global_expert_distribution_recorder().recording:",
+        "EPLBManager reads recording...",
+    ),
+    UpstreamLine(
+        _MANAGER, 64, "get_global_expert_distribution_recorder().start_record()", "start_record"
+    ),
+    UpstreamLine(
+        _MANAGER,
+        123,
+        "dump_record_output = get_global_expert_distribution_recorder().dump_record(",
+        "... and dump_record(output_mode='object') at each rebalance",
+    ),
+    UpstreamLine(_MANAGER, 126, 'logical_count = dump_record_output["logical_count"]', "the load"),
+    UpstreamLine(
+        _MANAGER,
+        191,
+        "return ExpertLocationMetadata.init_by_eplb(",
+        "the new layout computed from it",
+    ),
+    UpstreamLine(
+        _MANAGER,
+        226,
+        "if average_utilization_rate_over_window is None:",
+        "no utilization rate reads as: rebalance",
+    ),
+)
 
 
 def skewed_logical_count(
@@ -51,12 +92,11 @@ def skewed_logical_count(
 class SyntheticLoadRecorder:
     """Stands in for sglang's expert distribution recorder where no tokens are routed (CPU).
 
-    Implements only what ``EPLBManager`` calls on the global recorder: ``recording`` and
-    ``start_record`` (eplb_manager.py:63-64) and ``dump_record(output_mode="object")``
-    (eplb_manager.py:123-129). Install it with sglang's own
-    ``set_global_expert_distribution_recorder``. Each dump returns the next step's load;
-    ``average_utilization_rate_over_window`` is ``None``, which sglang reads as "rebalance"
-    (eplb_manager.py:225-227).
+    Implements only what ``EPLBManager`` calls on the global recorder: ``recording``,
+    ``start_record`` and ``dump_record(output_mode="object")`` (``UPSTREAM_LINES``). Install it
+    with sglang's own ``set_global_expert_distribution_recorder``. Each dump returns the next
+    step's load; ``average_utilization_rate_over_window`` is ``None``, which sglang reads as
+    "rebalance".
     """
 
     def __init__(
