@@ -90,6 +90,6 @@ def test_the_launcher_help_names_every_flag_its_variable_and_default(
 
 def test_the_cli_names_the_engines_wait_timeout_as_the_settings_do() -> None:
     # The CLI cannot import the plugin; it repeats the variable's name, and must repeat it right.
-    from layout_ledger.cli import fleet
+    from layout_ledger.cli.commands import fleet
 
     assert settings.WAIT_TIMEOUT.env == fleet.WAIT_TIMEOUT_ENV
