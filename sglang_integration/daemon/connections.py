@@ -10,6 +10,10 @@ to ``ConnectionThreads`` instead, and serve's loop goes straight back to ``accep
 - the reply must be taken within ``timeout`` seconds of its first send;
 - otherwise the connection is shut down and closed, and one warning is logged.
 
+A client that hangs up early (before its whole request arrived, or before it took its reply: a
+readiness probe that gave up, a rank killed mid-request) is normal: one line in the log, no
+traceback; a traceback is kept for a failure of the daemon's own.
+
 Bad clients are therefore served side by side, never one after another: while fewer than
 ``MAX_CONNECTIONS`` connections are open, any request that arrives whole is answered at once,
 whatever else is connected. At ``MAX_CONNECTIONS`` serve's loop waits for one to end (each ends
@@ -58,6 +62,11 @@ class BoundedConnection:
         self._request_deadline = accepted + timeout
         self._reply_deadline: float | None = None
         self.received = 0
+
+    @property
+    def replying(self) -> bool:
+        """Whether the reply's first send has begun (the request was read)."""
+        return self._reply_deadline is not None
 
     def recv(self, size: int, *flags: int) -> bytes:
         # A deadline already passed still reads what is already buffered (timeout 0 is a
@@ -161,12 +170,27 @@ class ConnectionThreads:
         except DeadlinePassed as exc:
             logger.warning("dropped a connection: %s", exc)
             _shut_down(own)
+        except ConnectionError as exc:
+            # The client closed its end (EPIPE, ECONNRESET, or EOF inside sglang's recv_msg).
+            logger.warning("%s (%s)", self._hang_up(bounded), exc)
+            _shut_down(own)
         except Exception as exc:
             # What sglang's serve loop does with an exception from _handle_connection.
             logger.error("Error handling connection: %s", exc, exc_info=True)
             _shut_down(own)
         finally:
             self._release(own)
+
+    def _hang_up(self, bounded: BoundedConnection) -> str:
+        with self._lock:
+            stopping = self._stopping
+        if stopping:
+            return "a connection was closed by the daemon's stop"
+        if bounded.replying:
+            return "a client hung up before taking its reply"
+        return (
+            f"a client hung up before sending its whole request ({bounded.received} bytes received)"
+        )
 
     def _release(self, own: socket.socket) -> None:
         with self._lock:
