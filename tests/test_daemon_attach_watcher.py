@@ -33,7 +33,7 @@ class Reports:
         with self.lock:
             return [key for key, _ in self.items]
 
-    def wait_for(self, count: int, timeout: float = 10.0) -> None:
+    def wait_for(self, count: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while len(self.keys()) < count:
             if time.monotonic() > deadline:
@@ -128,7 +128,7 @@ def test_a_failing_callback_does_not_stop_the_watcher() -> None:
     watcher.start()
     try:
         attach_pair(watcher, "engine-bad").close()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not seen and time.monotonic() < deadline:
             time.sleep(0.005)
         attach_pair(watcher, "engine-good").close()
@@ -169,6 +169,6 @@ def test_stop_is_not_lost_when_a_wake_up_drain_swallows_its_byte() -> None:
     watcher._drain_wake_ups = drain_while_stop_lands  # type: ignore[method-assign]
     watcher.start()
     engine = attach_pair(watcher, "engine")
-    watcher._thread.join(timeout=3)
+    watcher._thread.join(timeout=30)
     assert not watcher._thread.is_alive()
     engine.close()

@@ -71,7 +71,7 @@ def frame(message: object) -> bytes:
     return struct.pack("!I", len(data)) + data
 
 
-def dropped_lines(handle: DaemonProcess, count: int, wait: float = 5.0) -> list[str]:
+def dropped_lines(handle: DaemonProcess, count: int, wait: float = 30.0) -> list[str]:
     """The log's "dropped a connection" lines, once there are ``count`` (or after ``wait``)."""
     deadline = time.monotonic() + wait
     while True:

@@ -126,6 +126,16 @@ def wait_until_attached(daemon: DaemonProcess, count: int, timeout: float = 60) 
         time.sleep(0.05)
 
 
+def wait_until_dirty(daemon: DaemonProcess, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = client.query(daemon.socket_path)
+        if reply.layout is not None and reply.layout.dirty:
+            return
+        assert time.monotonic() < deadline, f"{daemon} never turned dirty"
+        time.sleep(0.05)
+
+
 def scenario(daemon_list: Sequence[DaemonProcess], **extra: Any) -> dict[str, Any]:
     return {
         "model_dir": str(extra.pop("model_dir")),
@@ -237,7 +247,7 @@ def test_a_dirty_daemon_fails_every_rank_naming_engine_layers_and_base_version(
         doomed = EngineStandIn.start(started[0].socket_path, "doomed-engine")
         assert doomed.begin(1, [1]).ok
         doomed.kill()
-        time.sleep(0.3)  # the daemon's watcher sees the EOF
+        wait_until_dirty(started[0])  # the daemon's watcher sees the EOF, on its own thread
         reports = ranks.run(scenario(started, model_dir=model_dir))
     error = the_same_error_on_every_rank(reports)
     assert f"rank 0 (daemon {started[0].socket_path}): dirty: " in error

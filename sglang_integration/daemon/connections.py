@@ -5,6 +5,9 @@ operation, so one client that sends nothing, trickles its request, or never read
 holds every other engine (a rebalance's begin included) for 30 s or longer. The daemon hooks
 hand each accepted connection to ``ConnectionThreads`` instead, and serve's loop goes straight
 back to ``accept``: bad clients are served side by side, and each is dropped at its deadline.
+A client that hangs up early (before its whole request arrived, or before it took its reply: a
+readiness probe that gave up, a rank killed mid-request) is normal: one line in the log, no
+traceback; a traceback is kept for a failure of the daemon's own.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ class BoundedConnection(PassThrough):
         self._request_deadline = accepted + timeout
         self._reply_deadline: float | None = None
         self.received = 0
+
+    @property
+    def replying(self) -> bool:
+        """Whether the reply's first send has begun (the request was read)."""
+        return self._reply_deadline is not None
 
     def recv(self, size: int, *flags: int) -> bytes:
         # A deadline already passed still reads what is already buffered (timeout 0 is a
@@ -156,12 +164,27 @@ class ConnectionThreads:
         except DeadlinePassed as exc:
             logger.warning("dropped a connection: %s", exc)
             _shut_down(own)
+        except ConnectionError as exc:
+            # The client closed its end (EPIPE, ECONNRESET, or EOF inside sglang's recv_msg).
+            logger.warning("%s (%s)", self._hang_up(bounded), exc)
+            _shut_down(own)
         except Exception as exc:
             # What sglang's serve loop does with an exception from _handle_connection.
             logger.error("Error handling connection: %s", exc, exc_info=True)
             _shut_down(own)
         finally:
             self._release(own)
+
+    def _hang_up(self, bounded: BoundedConnection) -> str:
+        with self._lock:
+            stopping = self._stopping
+        if stopping:
+            return "a connection was closed by the daemon's stop"
+        if bounded.replying:
+            return "a client hung up before taking its reply"
+        return (
+            f"a client hung up before sending its whole request ({bounded.received} bytes received)"
+        )
 
     def _release(self, own: socket.socket) -> None:
         with self._lock:

@@ -54,7 +54,7 @@ from sglang_integration.testing.fuzz_requests import (
 REFUSAL_STATUSES = frozenset({msg.REFUSED, msg.BUSY, msg.LAYOUT_REFUSED})
 STEPS_PER_EXAMPLE = 10
 MAX_ENGINES = 3
-DETACH_WAIT = 15.0
+DETACH_WAIT = 60.0  # returns as soon as the daemon detached; generous for a loaded machine
 # Requests a daemon keeps running once dirty or with moves disabled (a non-following fetch),
 # both of which only a restart ends.
 STUCK_FOR = 100
