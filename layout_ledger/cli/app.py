@@ -76,7 +76,8 @@ def _run(args: argparse.Namespace) -> int:
     except (SQLAlchemyError, json.JSONDecodeError) as exc:
         # Rows the reader cannot interpret (a missing version, a row that is not JSON): the
         # file is damaged; verify names what exactly.
-        where = getattr(args, "ledger", None) or " ".join(getattr(args, "paths", ()))
+        named: str | list[str] = getattr(args, "ledger", None) or getattr(args, "paths", [])
+        where = named if isinstance(named, str) else " ".join(map(str, named))
         print_error(
             args.command,
             f"the ledger {where} looks damaged ({type(exc).__name__}: {exc}); run "

@@ -165,6 +165,16 @@ def _ledger(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ledger", metavar="LEDGER", help="path of the ledger file")
 
 
+def _ledgers(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "ledger",
+        nargs="+",
+        metavar="LEDGER",
+        help="a ledger file, a directory (its ledgers), or the daemons' ledger template with "
+        "{device_uuid} (the ledgers it matches); many ledgers: one report each",
+    )
+
+
 def _paths(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "paths",
@@ -251,6 +261,7 @@ def _ep_size(parser: argparse.ArgumentParser) -> None:
 
 SHARED_OPTIONS: dict[str, OptionAdder] = {
     "ledger": _ledger,
+    "ledgers": _ledgers,
     "paths": _paths,
     "json": _json,
     "rows": _json_or_rows,
@@ -401,7 +412,7 @@ COMMANDS: dict[str, str] = {
 
 # Each verb: the shared options it takes (in this order), then its own.
 VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
-    "status": (("ledger", "json", "incarnation"), None),
+    "status": (("ledgers", "json", "incarnation"), None),
     "history": (("ledger", "rows", "incarnations", "layers"), _history_options),
     "show": (("ledger", "json", "incarnation", "version", "layers", "ep_size"), _show_options),
     "diff": (("ledger", "rows", "incarnation", "layers"), _diff_options),
@@ -412,7 +423,7 @@ VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
     "upgrade": (("ledger", "json"), None),
     "fleet": (("paths", "json"), _fleet_options),
     "metrics": (("paths", "json"), _metrics_options),
-    "backup": (("ledger", "json"), _backup_options),
+    "backup": (("ledgers", "json"), _backup_options),
 }
 
 EPILOG = (

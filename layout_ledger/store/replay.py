@@ -168,6 +168,8 @@ def _replay_one(
             record.fetch(_fetch_field(event))
         elif kind == ev.END:
             _replay_end(record, event)
+        elif kind in (ev.CORDON, ev.UNCORDON):
+            _replay_cordon(record, stored)
         elif kind == ev.DIRTY:
             raise ReplayMismatch(
                 f"{stored.where} does not follow a detach of that engine during its pending move"
@@ -189,6 +191,19 @@ def _replay_content_dirty(record: LayoutRecord, stored: StoredEvent) -> None:
             f"{record.version}"
         )
     record.mark_content_dirty(list(event.layers or ()), event.reason or "")
+
+
+def _replay_cordon(record: LayoutRecord, stored: StoredEvent) -> None:
+    """A cordon of an uncordoned daemon, or an uncordon of a cordoned one (neither otherwise
+    appends an event)."""
+    if stored.event.kind == ev.CORDON:
+        if record.cordon is not None:
+            raise ReplayMismatch(f"{stored.where} cordons a daemon that was already cordoned")
+        record.cordon_moves(stored.event.reason)
+    else:
+        if record.cordon is None:
+            raise ReplayMismatch(f"{stored.where} uncordons a daemon that was not cordoned")
+        record.uncordon()
 
 
 def _recorded_version(
@@ -412,6 +427,8 @@ def _refused_begin(where: str, event: ev.Event, exc: Exception, record: LayoutRe
         return (
             f"{where} names base version {event.base_version} but the version was {record.version}"
         )
+    if isinstance(exc, errors.Cordoned):
+        return f"{where} was accepted while the daemon was cordoned"
     if isinstance(exc, errors.MoveAlreadyPending | errors.MoveBusy):
         if record.pending is not None:
             owner = record.pending.engine_id

@@ -123,6 +123,8 @@ class FleetReport(JsonShaped):
         if self.verdict.outcome != "fail":
             return exit_codes.OK
         kinds = {row.finding.kind for row in self.ledgers}
+        if kinds == {FindingKind.NO_DAEMON}:
+            return exit_codes.NOT_RUNNING
         if FindingKind.DIRTY in kinds:
             return exit_codes.DIRTY
         if FindingKind.STUCK in kinds:
@@ -228,6 +230,14 @@ def _finding(rank: int, item: LedgerOverview) -> RankFinding:
 
 
 def _verdict(rows: Sequence[FleetRow]) -> FleetVerdict:
+    if rows and all(row.finding.kind is FindingKind.NO_DAEMON for row in rows):
+        # An engine would start (keeping its initial layout), but on no daemon at all: a
+        # health check must not pass with every daemon down.
+        reason = (
+            f"no daemon of these ledgers runs ({_ranks_text([row.rank for row in rows])} not "
+            f"running): start the daemons, then check again"
+        )
+        return FleetVerdict("fail", None, None, reason, None)
     decision = decide([row.finding for row in rows])
     if isinstance(decision, AdoptLayout):
         reason = (
