@@ -48,6 +48,17 @@ SERIES = {
     "sglang_expert_layout_incarnation",
     "sglang_expert_layout_info",
     "sglang_expert_layout_ledger_readable",
+    # issue 23: what the runbook needs, the textfile's age, the cordon, retired ledgers
+    "sglang_expert_layout_digest_prefix",
+    "sglang_expert_layout_non_following_fetch",
+    "sglang_expert_layout_cordoned",
+    "sglang_expert_layout_versions_held",
+    "sglang_expert_layout_ledger_file_bytes",
+    "sglang_expert_layout_ledger_wal_bytes",
+    "sglang_expert_layout_begin_refusals_total",
+    "sglang_expert_layout_ledger_retired",
+    "sglang_expert_layout_exporter_collected_timestamp_seconds",
+    "sglang_expert_layout_exporter_collect_seconds",
 }
 
 
@@ -59,6 +70,8 @@ def parse(text: str) -> dict[tuple[str, str], Any]:
             key = (sample.name, sample.labels.get("ledger", ""))
             if sample.name == "sglang_expert_layout_refusals_total":
                 key = (f"{sample.name}:{sample.labels['kind']}", sample.labels["ledger"])
+            if sample.name == "sglang_expert_layout_begin_refusals_total":
+                key = (f"{sample.name}:{sample.labels['reason']}", sample.labels["ledger"])
             samples[key] = sample
     return samples
 
@@ -89,9 +102,7 @@ def test_metrics_writes_every_series_for_every_ledger_atomically_as_a_textfile(
     assert sorted(os.listdir(output.parent)) == ["layout.prom"]  # no temporary left behind
     assert stat.S_IMODE(output.stat().st_mode) == 0o644
     samples = parse(output.read_text())
-    assert {name for name, _ in samples if ":" not in name} | {
-        "sglang_expert_layout_refusals_total"
-    } == SERIES
+    assert {name.split(":")[0] for name, _ in samples} == SERIES
     first, second = map(str, engine.paths)
     assert samples["sglang_expert_layout_version", first].labels == {
         "ledger": first,
@@ -118,7 +129,13 @@ def test_metrics_writes_every_series_for_every_ledger_atomically_as_a_textfile(
     )
     assert values["sglang_expert_layout_ledger_readable", first] == 1
     info = samples["sglang_expert_layout_info", first]
-    assert info.value == 1 and info.labels["digest"] == engine.records[0].digest
+    # The digest is no label (a new series per commit): a value, its first 12 hex digits.
+    assert info.value == 1 and "digest" not in info.labels and "pid" not in info.labels
+    assert values["sglang_expert_layout_digest_prefix", first] == int(
+        engine.records[0].digest[:12], 16
+    )
+    # "engine-a is attached" is no wording of the rules: counted as "other"
+    assert values["sglang_expert_layout_begin_refusals_total:other", first] == 1
     assert info.labels["config_fingerprint"] == "fp-0"
 
 
