@@ -28,7 +28,7 @@ from layout_ledger.history.overview import read_overview
 from layout_ledger.store import replay
 
 
-def OverviewCache() -> overview.OverviewCache:  # noqa: N802 (imported late: the base has none)
+def OverviewCache() -> overview.OverviewCache:
     return overview.OverviewCache()
 
 
