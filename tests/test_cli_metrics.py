@@ -322,14 +322,16 @@ def test_the_alerting_rules_use_only_series_the_exporter_writes_and_cover_the_th
         "sglang_expert_layout_move_pending_seconds > 300"
     )
     versions = by_name["ExpertLayoutVersionsDiffer"]["expr"].split()
+    # Only series with an engine label are compared (issue 23: without one, ledgers of
+    # different engines fell into one group).
     assert versions == [
         "max",
         "by",
         "(engine)",
-        "(sglang_expert_layout_version)",
+        '(sglang_expert_layout_version{engine!=""})',
         "!=",
         "min",
         "by",
         "(engine)",
-        "(sglang_expert_layout_version)",
+        '(sglang_expert_layout_version{engine!=""})',
     ]
