@@ -36,6 +36,10 @@ ARGUMENTS = {
     "fleet": [],
     "metrics": [],
     "backup": ["{tmp}/copy.sqlite"],
+    "cordon": [],
+    "uncordon": [],
+    "retire": [],
+    "unretire": [],
 }
 
 

@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 
 from engine_ledgers import EngineLedgers
+from prometheus_client.parser import text_string_to_metric_families
 
 from layout_ledger.cli.commands.metrics import collect_metrics, exposition
-from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json"
 # Labels a query may use that no sample here carries: Prometheus' own, and the attachment role

@@ -88,10 +88,11 @@ def _run(args: argparse.Namespace) -> int:
         print_error(args.command, "interrupted")
         return exit_codes.INTERRUPTED
     except BrokenPipeError:
-        # The reader of our stdout went away (| head): stop quietly.
+        # The reader of our stdout went away (| head): it has what it wanted. Stop quietly and
+        # exit 0, in every output form (text, --json, --nl, --csv), as `| head` expects.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return exit_codes.FAILED
+        return exit_codes.OK
 
 
 if __name__ == "__main__":

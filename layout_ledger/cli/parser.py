@@ -355,6 +355,17 @@ def _prune_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="keep the rows of the last N versions of each incarnation",
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="only say what would be removed (reads only: also while a daemon runs)",
+    )
+    parser.add_argument(
+        "--no-vacuum",
+        action="store_true",
+        help="do not VACUUM after removing rows (the file then keeps its size; SQLite reuses "
+        "the freed pages)",
+    )
 
 
 def _fleet_options(parser: argparse.ArgumentParser) -> None:
@@ -424,6 +435,14 @@ def _cordon_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _retire_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--reason",
+        metavar="TEXT",
+        help="why (recorded in the retirement note with your user and host)",
+    )
+
+
 def _backup_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "destination",
@@ -453,6 +472,9 @@ COMMANDS: dict[str, str] = {
     "cordon": "ask daemons to answer every begin busy (no move begins) until uncordon; a daemon "
     "restart clears it",
     "uncordon": "lift a cordon: engines may begin moves again",
+    "retire": "stop counting a ledger whose GPU is gone for good (fleet, metrics, alerts); "
+    "recorded beside it, undone by unretire",
+    "unretire": "count a retired ledger again",
 }
 
 # Each verb: the shared options it takes (in this order), then its own.
@@ -471,6 +493,8 @@ VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
     "backup": (("ledgers", "json"), _backup_options),
     "cordon": (("json",), _cordon_options),
     "uncordon": (("json",), _cordon_targets),
+    "retire": (("paths", "json"), _retire_options),
+    "unretire": (("paths", "json"), None),
 }
 
 EPILOG = (
