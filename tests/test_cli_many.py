@@ -99,7 +99,9 @@ def test_two_ledgers_of_one_name_are_refused_before_any_copy(engine, tmp_path, c
     EngineLedgers(other, 1).close()
     into = tmp_path / "backups"
     into.mkdir()
-    code, _, err = run_cli(capsys, "backup", str(engine.paths[0]), str(other / "rank-00.sqlite"), str(into))
+    code, _, err = run_cli(
+        capsys, "backup", str(engine.paths[0]), str(other / "rank-00.sqlite"), str(into)
+    )
     assert code == exit_codes.FAILED
     assert "have the same name, so their copies would be one file" in err
     assert os.listdir(into) == []

@@ -282,7 +282,7 @@ def _advance(conn: Connection, tracked: _Tracked) -> None:
     rows = conn.execute(
         text(
             "SELECT event_id, kind, count, reason, base_version FROM events "
-            "WHERE event_id > :after AND incarnation_id = :i ORDER BY event_id"
+            "WHERE event_id > :after AND +incarnation_id = :i ORDER BY event_id"
         ),
         {"after": after, "i": tracked.replay.incarnation_id},
     ).all()

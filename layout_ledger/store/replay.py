@@ -301,9 +301,13 @@ _EVENT_COLUMNS = (
 
 
 def _stored_events(conn: Connection, incarnation_id: int, after: int = 0) -> list[StoredEvent]:
-    """The incarnation's events after event ``after``, oldest first (the primary key's order)."""
+    """The incarnation's events after event ``after``, oldest first (the primary key's order).
+
+    Past event 0 the primary key's range is searched (``+incarnation_id`` keeps SQLite off the
+    (incarnation, kind) index, which would visit every event of the incarnation)."""
+    column = "+incarnation_id" if after else "incarnation_id"
     rows = conn.exec_driver_sql(
-        f"SELECT {_EVENT_COLUMNS} FROM events WHERE event_id > ? AND incarnation_id = ? "
+        f"SELECT {_EVENT_COLUMNS} FROM events WHERE event_id > ? AND {column} = ? "
         f"ORDER BY event_id",
         (after, incarnation_id),
     )
