@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -36,12 +37,15 @@ def test_prune_reports_what_it_removed_and_keeps_the_kept_versions_whole(tmp_pat
     _, before, _ = run_cli(capsys, "show", str(path), "--version", "2", "--json")
     code, out, err = run_cli(capsys, "prune", str(path), "--keep", "2")
     assert (code, err) == (exit_codes.OK, "")
-    assert out == (
-        "incarnation 1: nothing to remove; holds versions 0..0\n"
+    *lines, vacuumed = out.splitlines()
+    assert lines == [
+        "incarnation 1: nothing to remove; holds versions 0..0",
         # layers 0, 1 and 2 each lose their version-0 row; version 2 builds on v1/v1/v2/v0.
-        "incarnation 2: removed 3 layout rows older than version 2; holds versions 2..3\n"
-        "removed 3 layout rows in all (every event kept)\n"
-    )
+        "incarnation 2: removed 3 layout rows older than version 2; holds versions 2..3",
+        "removed 3 layout rows in all (every event kept)",
+    ]
+    # issue 23: the freed pages go back to the filesystem (VACUUM, no daemon running)
+    assert re.fullmatch(r"VACUUM: file and -wal (\d+) -> (\d+) bytes \((\d+) freed\)", vacuumed)
     _, after, _ = run_cli(capsys, "show", str(path), "--version", "2", "--json")
     assert after == before
     code, _, err = run_cli(capsys, "show", str(path), "--version", "1")
@@ -58,9 +62,14 @@ def test_prune_json_counts_rows_per_incarnation_and_a_second_prune_removes_nothi
 ):
     path = build("clean", tmp_path / "l.sqlite")
     _, out, _ = run_cli(capsys, "prune", str(path), "--keep", "1", "--incarnation", "2", "--json")
-    assert json.loads(out) == {
+    pruned = json.loads(out)
+    sizes = {key: pruned.pop(key) for key in ("bytes_before", "bytes_after")}
+    assert sizes["bytes_after"] < sizes["bytes_before"]  # issue 23: VACUUM gave space back
+    assert pruned == {
         "path": str(path),
         "keep": 1,
+        "dry_run": False,
+        "vacuumed": True,
         "rows_removed": 5,
         "incarnations": [
             {

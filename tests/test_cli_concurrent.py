@@ -52,7 +52,11 @@ def test_status_show_verify_and_history_read_consistent_snapshots_while_a_writer
     # The writer closed cleanly: everything it committed is there, consistent.
     code, out, _ = run_cli(capsys, "status", str(path), "--json")
     status = json.loads(out)
-    assert (code, status["version"], status["end_state"]) == (exit_codes.OK, commits.value, "clean")
+    assert (code, status["version"], status["end_state"]) == (
+        exit_codes.NOT_RUNNING,  # stopped cleanly: not running
+        commits.value,
+        "clean",
+    )
     _, out, _ = run_cli(capsys, "history", str(path), "--kind", "commit", "--json")
     assert [event["new_version"] for event in json.loads(out)["events"]] == list(
         range(1, commits.value + 1)

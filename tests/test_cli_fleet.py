@@ -330,7 +330,7 @@ def test_text_a_ledger_holds_never_drives_the_terminal_in_fleet_or_metrics(tmp_p
     path = build("clean", tmp_path / "l.sqlite")
     execute(path, "UPDATE incarnations SET host = 'node' || char(27) || ']0;owned' || char(7)")
     code, out, _ = run_cli(capsys, "fleet", str(path))
-    assert code == exit_codes.OK
+    assert code == exit_codes.NOT_RUNNING  # the only daemon was killed
     assert "\x1b" not in out and "\x07" not in out
     assert "node\\x1b]0;owned\\x07" in out.splitlines()[1]
     assert json.loads(run_cli(capsys, "fleet", str(path), "--json")[1])["ledgers"][0]["host"] == (

@@ -35,10 +35,10 @@ def ledgers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # --- status -------------------------------------------------------------------------------
 
 
-def test_status_of_a_clean_ledger_shows_every_field_and_exits_0(ledgers, capsys):
+def test_status_of_a_killed_daemons_clean_ledger_shows_every_field_and_exits_6(ledgers, capsys):
     path = ledgers["clean"]
     code, out, err = run_cli(capsys, "status", str(path))
-    assert (code, err) == (exit_codes.OK, "")
+    assert (code, err) == (exit_codes.NOT_RUNNING, "")
     assert out == (
         f"ledger:              {path}\n"
         f"incarnation:         2 of 2 (started {at(4)}, not running, no clean end recorded)\n"
@@ -55,8 +55,9 @@ def test_status_of_a_clean_ledger_shows_every_field_and_exits_0(ledgers, capsys)
         "attached:            engine-a\n"
         "non-following fetch: no\n"
         "refusals:            0\n"
+        "busy begins:         1 (answered busy, not refused)\n"
         f"last event:          {at(16)} commit engine-a\n"
-        "state:               clean\n"
+        "state:               not_running\n"
     )
 
 
@@ -84,7 +85,7 @@ def test_status_of_a_dirty_ledger_names_engine_layers_and_base_version_and_exits
         "pending move:        none\n"
         "attached:            none\n"
         "non-following fetch: no\n"
-        "refusals:            2\n"
+        "refusals:            2 (none in the last 10 minutes)\n"
         f"last event:          {at(7)} begin_refused engine-b\n"
         "state:               dirty\n"
     )
@@ -117,11 +118,13 @@ def test_status_of_a_ledger_mid_move_shows_the_pending_move_and_exits_4(ledgers,
     )
 
 
-def test_status_exits_4_when_the_daemon_refused_requests_in_a_clean_layout(ledgers, capsys):
+def test_status_of_old_refusals_of_a_killed_daemon_says_it_is_not_running(ledgers, capsys):
+    # Its one refusal is long past (REFUSALS_WINDOW): not a state; its daemon is dead: exit 6.
+    # A recent refusal's exit 4 is tests/test_cli_health.py's.
     code, out, _ = run_cli(capsys, "status", str(ledgers["refusals"]))
-    assert code == exit_codes.PENDING_OR_REFUSALS
-    assert "refusals:            1\n" in out
-    assert out.endswith("state:               refusals\n")
+    assert code == exit_codes.NOT_RUNNING
+    assert "refusals:            1 (none in the last 10 minutes)\n" in out
+    assert out.endswith("state:               not_running\n")
 
 
 @pytest.mark.parametrize("kind", ["clean", "dirty", "mid_move", "refusals"])
@@ -135,13 +138,14 @@ def test_status_json_carries_the_protocol_layout_state_without_the_map(ledgers, 
     del protocol["physical_to_logical_map"]
     assert {key: status[key] for key in protocol} == protocol
     assert status["incarnation_id"] == state.incarnation_id
-    assert status["state"] in ("clean", "dirty", "pending", "refusals")
+    assert status["state"] in ("clean", "dirty", "pending", "not_running", "refusals")
     assert (
         code
         == {
             "clean": exit_codes.OK,
             "dirty": exit_codes.DIRTY,
             "pending": exit_codes.PENDING_OR_REFUSALS,
+            "not_running": exit_codes.NOT_RUNNING,
             "refusals": exit_codes.PENDING_OR_REFUSALS,
         }[status["state"]]
     )

@@ -92,7 +92,7 @@ def test_status_shows_the_origin_and_its_json_carries_each_field(tmp_path, capsy
     path = tmp_path / "l.sqlite"
     _start_with(path, ORIGIN)
     code, out, _ = run_cli(capsys, "status", str(path))
-    assert code == exit_codes.OK
+    assert code == exit_codes.NOT_RUNNING  # its daemon stopped (cleanly)
     assert (
         "daemon:              pid 4242 on host "
         f"{ORIGIN.host}, socket /tmp/sglang_weight_cache_GPU-5c1d.sock\n"
@@ -146,7 +146,7 @@ def test_status_says_running_only_while_the_daemon_runs_and_not_running_after_si
         assert f"incarnation:         1 of 1 (started {status['started_at']}, running)\n" in out
         daemon.kill()  # SIGKILL: no clean end
         code, out, _ = run_cli(capsys, "status", ledger)
-        assert code == exit_codes.OK  # the layout itself is clean
+        assert code == exit_codes.NOT_RUNNING  # the layout itself is clean, its daemon gone
         assert (
             f"incarnation:         1 of 1 (started {status['started_at']}, not running, no "
             "clean end recorded)\n"
@@ -164,16 +164,16 @@ def test_status_of_a_cleanly_stopped_daemon_says_how_it_ended(tmp_path, capsys):
     assert (status["alive"], status["end_state"]) == (False, "clean")
 
 
-def test_status_cannot_tell_for_a_daemon_that_ran_on_another_host(tmp_path, capsys):
+def test_status_probes_the_lock_of_a_daemon_that_recorded_another_host_name(tmp_path, capsys):
     path = tmp_path / "l.sqlite"
     ledger = open_ledger(path)
     initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
     ledger.start_incarnation(SMALL, initial, origin=IncarnationOrigin(host="node-b"))
-    try:  # the writer runs (here, holding the lock), but it says it runs on node-b
+    try:  # the writer runs (here, holding the lock), but it says it runs on node-b: another
+        # container on this kernel; the lock is the kernel's, so it is seen
         _, out, _ = run_cli(capsys, "status", str(path))
-        here = socket.gethostname()
-        assert f"unknown: its daemon ran on host node-b, this is {here})\n" in out
-        assert json.loads(run_cli(capsys, "status", str(path), "--json")[1])["alive"] is None
+        assert ", running)\n" in out
+        assert json.loads(run_cli(capsys, "status", str(path), "--json")[1])["alive"] is True
     finally:
         ledger.close()
 
@@ -206,7 +206,7 @@ def test_a_writer_lock_held_by_another_process_than_the_daemon_is_not_the_daemon
 
 
 @needs_mounts
-def test_status_cannot_tell_for_a_ledger_on_read_only_media(tmp_path):
+def test_status_of_a_ledger_on_read_only_media_probes_its_lock_too(tmp_path):
     path = _evidence_copy(tmp_path, with_wal=True)
     folder = path.parent
     result = _in_mount_namespace(
@@ -217,4 +217,5 @@ def test_status_cannot_tell_for_a_ledger_on_read_only_media(tmp_path):
         """,
     )
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["alive"] is None
+    # A read-only mount of a file on this kernel shows its lock (free: no daemon writes it).
+    assert json.loads(result.stdout)["alive"] is False

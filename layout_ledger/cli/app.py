@@ -76,7 +76,8 @@ def _run(args: argparse.Namespace) -> int:
     except (SQLAlchemyError, json.JSONDecodeError) as exc:
         # Rows the reader cannot interpret (a missing version, a row that is not JSON): the
         # file is damaged; verify names what exactly.
-        where = getattr(args, "ledger", None) or " ".join(getattr(args, "paths", ()))
+        named: str | list[str] = getattr(args, "ledger", None) or getattr(args, "paths", [])
+        where = named if isinstance(named, str) else " ".join(map(str, named))
         print_error(
             args.command,
             f"the ledger {where} looks damaged ({type(exc).__name__}: {exc}); run "
@@ -87,10 +88,11 @@ def _run(args: argparse.Namespace) -> int:
         print_error(args.command, "interrupted")
         return exit_codes.INTERRUPTED
     except BrokenPipeError:
-        # The reader of our stdout went away (| head): stop quietly.
+        # The reader of our stdout went away (| head): it has what it wanted. Stop quietly and
+        # exit 0, in every output form (text, --json, --nl, --csv), as `| head` expects.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return exit_codes.FAILED
+        return exit_codes.OK
 
 
 if __name__ == "__main__":

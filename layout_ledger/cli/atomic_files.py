@@ -1,7 +1,8 @@
 """Writing an output file so a reader sees the old file or the new one, never half of one.
 
-``export``, ``plot`` and ``metrics -o`` write through ``write_atomically``: a temporary file in
-the output's directory, synced, renamed into place, then the directory synced.
+``export``, ``plot``, ``metrics -o`` and ``retire`` write through ``write_atomically``: a
+temporary file in the output's directory, synced, renamed into place, then the directory
+synced.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def write_atomically(
     accept: Callable[[Path], bool] | None = None,
     *,
     temporary_suffix: str | None = None,
+    mode: int = 0o644,
 ) -> bool:
     """Write ``data`` to ``output`` through a temporary file in its directory (same suffix, or
     ``temporary_suffix``), synced to disk, then a rename, then a sync of the directory.
@@ -41,7 +43,7 @@ def write_atomically(
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        temporary.chmod(0o644)
+        temporary.chmod(mode)
         if accept is not None and not accept(temporary):
             temporary.unlink()
             return False

@@ -40,6 +40,11 @@ def emit(
         sys.stdout.write("".join(printable(line) + "\n" for line in lines))
 
 
+def print_warning(command: str, message: str) -> None:
+    """One warning line on stderr (the command goes on), as ``print_error`` writes errors."""
+    sys.stderr.write(f"{PROG} {command}: warning: {printable(' '.join(message.split()))}\n")
+
+
 def print_error(command: str | None, message: str) -> None:
     """One line on stderr: whitespace (line breaks included) runs become one space, every
     other control character a visible escape."""

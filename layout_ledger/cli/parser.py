@@ -137,7 +137,8 @@ def _pixels(value: str) -> tuple[int, int]:
 
 
 def _address(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:9400``, ``:9400`` for every interface; port 0: any free one)."""
+    """``HOST:PORT`` (``[::1]:9400``; ``:9400`` for the loopback only, ``0.0.0.0:9400`` for every
+    IPv4 interface; port 0: any free one)."""
     host, colon, port = value.rpartition(":")
     if not colon:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT like 127.0.0.1:9400, got {value!r}")
@@ -148,13 +149,18 @@ def _address(value: str) -> tuple[str, int]:
     if not 0 <= number <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {port!r}")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    return host or "0.0.0.0", number
+    return host or "127.0.0.1", number
 
 
 def _label(value: str) -> tuple[str, str]:
+    from layout_ledger.cli.metric_labels import label_name_problem
+
     name, equals, text = value.partition("=")
     if not equals or not name:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE like engine=ds-v3, got {value!r}")
+    problem = label_name_problem(name)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return name, text
 
 
@@ -163,6 +169,16 @@ def _label(value: str) -> tuple[str, str]:
 
 def _ledger(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ledger", metavar="LEDGER", help="path of the ledger file")
+
+
+def _ledgers(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "ledger",
+        nargs="+",
+        metavar="LEDGER",
+        help="a ledger file, a directory (its ledgers), or the daemons' ledger template with "
+        "{device_uuid} (the ledgers it matches); many ledgers: one report each",
+    )
 
 
 def _paths(parser: argparse.ArgumentParser) -> None:
@@ -251,6 +267,7 @@ def _ep_size(parser: argparse.ArgumentParser) -> None:
 
 SHARED_OPTIONS: dict[str, OptionAdder] = {
     "ledger": _ledger,
+    "ledgers": _ledgers,
     "paths": _paths,
     "json": _json,
     "rows": _json_or_rows,
@@ -338,6 +355,17 @@ def _prune_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="keep the rows of the last N versions of each incarnation",
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="only say what would be removed (reads only: also while a daemon runs)",
+    )
+    parser.add_argument(
+        "--no-vacuum",
+        action="store_true",
+        help="do not VACUUM after removing rows (the file then keeps its size; SQLite reuses "
+        "the freed pages)",
+    )
 
 
 def _fleet_options(parser: argparse.ArgumentParser) -> None:
@@ -345,6 +373,19 @@ def _fleet_options(parser: argparse.ArgumentParser) -> None:
         "--verify",
         action="store_true",
         help="run verify on every ledger instead, one line each",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=("wide",),
+        help="wide: add the attached engines, pending-since, last-commit and cordon columns",
+    )
+    parser.add_argument("--wide", action="store_true", help="the same as -o wide")
+    parser.add_argument(
+        "--ready-to-stop",
+        metavar="ENGINE",
+        help="instead: is engine ENGINE (an engine id, or a unique prefix of one) ready to stop, "
+        "on every rank attached, cordoned, with no move pending? exit 0, else why",
     )
 
 
@@ -359,7 +400,10 @@ def _metrics_options(parser: argparse.ArgumentParser) -> None:
         "--serve",
         type=_address,
         metavar="HOST:PORT",
-        help="serve /metrics over HTTP instead, re-reading the ledgers on every scrape",
+        help="serve /metrics over HTTP instead, reading what changed in the ledgers on every "
+        "scrape; :PORT binds the loopback only (127.0.0.1): a Prometheus on another host needs "
+        "this host's address or 0.0.0.0:PORT (every interface), and a firewall that lets only "
+        "it in (the exporter has no authentication)",
     )
     parser.add_argument(
         "--label",
@@ -368,6 +412,34 @@ def _metrics_options(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a label added to every series (repeatable), e.g. engine=ds-v3 to tell engines "
         "apart in alerts",
+    )
+
+
+def _cordon_targets(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "targets",
+        nargs="+",
+        metavar="SOCKET|PATH",
+        help="a daemon's control socket, or a ledger file, a directory of ledgers or the daemons' "
+        "ledger template with {device_uuid} (the sockets their daemons recorded)",
+    )
+
+
+def _cordon_options(parser: argparse.ArgumentParser) -> None:
+    _cordon_targets(parser)
+    parser.add_argument(
+        "--reason",
+        metavar="TEXT",
+        help="why, recorded with the cordon (your user and host are added) and shown in every "
+        "busy begin's reason",
+    )
+
+
+def _retire_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--reason",
+        metavar="TEXT",
+        help="why (recorded in the retirement note with your user and host)",
     )
 
 
@@ -397,11 +469,17 @@ COMMANDS: dict[str, str] = {
     "metrics": "the ledgers' state as Prometheus series (text file, stdout, or an HTTP exporter)",
     "backup": "a consistent single-file copy of a ledger with SQLite's backup API, also while its "
     "daemon writes",
+    "cordon": "ask daemons to answer every begin busy (no move begins) until uncordon; a daemon "
+    "restart clears it",
+    "uncordon": "lift a cordon: engines may begin moves again",
+    "retire": "stop counting a ledger whose GPU is gone for good (fleet, metrics, alerts); "
+    "recorded beside it, undone by unretire",
+    "unretire": "count a retired ledger again",
 }
 
 # Each verb: the shared options it takes (in this order), then its own.
 VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
-    "status": (("ledger", "json", "incarnation"), None),
+    "status": (("ledgers", "json", "incarnation"), None),
     "history": (("ledger", "rows", "incarnations", "layers"), _history_options),
     "show": (("ledger", "json", "incarnation", "version", "layers", "ep_size"), _show_options),
     "diff": (("ledger", "rows", "incarnation", "layers"), _diff_options),
@@ -412,14 +490,19 @@ VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
     "upgrade": (("ledger", "json"), None),
     "fleet": (("paths", "json"), _fleet_options),
     "metrics": (("paths", "json"), _metrics_options),
-    "backup": (("ledger", "json"), _backup_options),
+    "backup": (("ledgers", "json"), _backup_options),
+    "cordon": (("json",), _cordon_options),
+    "uncordon": (("json",), _cordon_targets),
+    "retire": (("paths", "json"), _retire_options),
+    "unretire": (("paths", "json"), None),
 }
 
 EPILOG = (
     "exit codes: 0 ok; 1 the command could not do what was asked; 2 bad arguments or no usable "
-    "ledger file; 3 (status, fleet) dirty; 4 (status) move pending or refusals seen, (fleet) a "
+    "ledger file; 3 (status, fleet) dirty; 4 (status) move pending or recent refusals, (fleet) a "
     "move pending; 5 verify or export --check found an inconsistency, prune refused a ledger "
-    "that fails verify, or (fleet) the ledgers disagree; 130 interrupted"
+    "that fails verify, or (fleet) the ledgers disagree; 6 (status, fleet, cordon) the daemon "
+    "does not run; 7 (fleet --ready-to-stop) not ready; 130 interrupted"
 )
 
 
@@ -459,11 +542,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _verb_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The verb's own parser (its errors name ``layout-ledger VERB``), else the tool's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            verb: argparse.ArgumentParser = action.choices[command]
+            return verb
+    return parser
+
+
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    verb = _verb_parser(parser, getattr(args, "command", None))
+    if extras:
+        verb.error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command == "export" and args.check and not args.model_path:
-        parser.error("export --check needs --model-path DIR (the model's config.json)")
+        verb.error("export --check needs --model-path DIR (the model's config.json)")
     if args.command == "metrics" and args.serve is not None and (args.output or args.json):
-        parser.error("metrics --serve prints no -o file and no --json")
+        verb.error("metrics --serve prints no -o file and no --json")
+    if args.command == "metrics" and args.label:
+        names = [name for name, _ in args.label]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            verb.error(f"argument --label: {twice[0]!r} given twice; give each label once")
+    if args.command == "fleet":
+        args.wide = args.wide or args.output == "wide"
+        if args.verify and args.ready_to_stop is not None:
+            verb.error("fleet takes one of --verify and --ready-to-stop")
     return args

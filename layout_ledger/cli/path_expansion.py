@@ -1,9 +1,10 @@
-"""The ledgers a PATH names, for the commands that read many at once (``fleet``, ``metrics``).
+"""The ledgers a PATH names, for the commands that read many at once (``fleet``, ``metrics``,
+``status``, ``backup``, ``cordon``, ``retire``).
 
 A PATH is a ledger file (itself, even when missing: its reader then says why), a directory (the
-SQLite files directly in it, not their companions), or the daemons' ledger path template with
-``{device_uuid}`` (the files it matches). One that names no ledger is an error; the same file
-named twice is read once.
+SQLite files directly in it, not their companions, symbolic links to ledger files included), or
+the daemons' ledger path template with ``{device_uuid}`` (the files it matches). One that names
+no ledger is an error; the same file named twice is read once.
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ def expand_ledger_paths(specs: Sequence[str | os.PathLike[str]]) -> list[Path]:
     return found
 
 
+def names_many(specs: Sequence[str | os.PathLike[str]]) -> bool:
+    """Whether ``specs`` ask for the many-ledger form of a command's output: more than one
+    PATH, or a directory or a template (which may match any number of files, one included).
+    Decided by the command line alone, so a script gets one shape whatever matched."""
+    if len(specs) != 1:
+        return True
+    spec = os.fspath(specs[0])
+    return PLACEHOLDER in spec or os.path.isdir(spec)
+
+
 def _expand_one(spec: str) -> list[Path]:
     if PLACEHOLDER in spec:
         pattern = glob.escape(spec).replace(glob.escape(PLACEHOLDER), "*")
@@ -53,9 +64,10 @@ def _expand_one(spec: str) -> list[Path]:
 
 
 def _is_ledger_file(path: str | Path) -> bool:
-    """A regular file (not a link) with SQLite's header, and not a ledger's companion."""
+    """A regular file (or a symbolic link to one: its reader resolves it) with SQLite's header,
+    and not a ledger's companion."""
     name = os.fspath(path)
-    if name.endswith(COMPANION_SUFFIXES) or os.path.islink(name) or not os.path.isfile(name):
+    if name.endswith(COMPANION_SUFFIXES) or not os.path.isfile(name):
         return False
     try:
         with open(name, "rb") as file:

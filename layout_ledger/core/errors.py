@@ -95,6 +95,10 @@ class MoveBusy(LedgerError):
     """Try again later: another engine is attached or another engine's move is pending."""
 
 
+class Cordoned(MoveBusy):
+    """A begin while an operator cordons the daemon: busy, it may succeed after the uncordon."""
+
+
 class NothingToRepair(RequestRefused):
     """A repair arrived at a daemon whose layout is known (it is not dirty)."""
 

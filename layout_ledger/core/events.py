@@ -26,11 +26,15 @@ CONTENT_DIRTY = "content_dirty"
 REPAIR = "repair"
 NON_FOLLOWING_FETCH = "non_following_fetch"
 PRUNE = "prune"
+# An operator cordoned the daemon (every begin answered busy) or lifted the cordon; a daemon
+# restart clears it (a new incarnation starts uncordoned).
+CORDON = "cordon"
+UNCORDON = "uncordon"
 BEGIN_BUSY = "begin_busy"
 # A refused request appends "<verb>_refused" (one of REFUSABLE_VERBS) and nothing else; a begin
 # that is only busy appends BEGIN_BUSY.
 REFUSED_SUFFIX = "_refused"
-REFUSABLE_VERBS = ("attach", "begin", "commit", "abort", "fetch", "repair")
+REFUSABLE_VERBS = ("attach", "begin", "commit", "abort", "fetch", "repair", "cordon")
 
 ALL_KINDS: tuple[str, ...] = (
     START,
@@ -45,6 +49,8 @@ ALL_KINDS: tuple[str, ...] = (
     REPAIR,
     NON_FOLLOWING_FETCH,
     PRUNE,
+    CORDON,
+    UNCORDON,
     BEGIN_BUSY,
     *(verb + REFUSED_SUFFIX for verb in REFUSABLE_VERBS),
 )

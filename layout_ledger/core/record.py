@@ -39,6 +39,7 @@ from layout_ledger.core.layout import Geometry, Map, digest_of_row_jsons, row_js
 from layout_ledger.core.state import (
     ContentFinding,
     ContentState,
+    Cordon,
     DirtyMark,
     LayoutState,
     PendingMove,
@@ -139,6 +140,7 @@ class LayoutRecord:
         self.dirty: DirtyMark | None = None
         self._attached: dict[str, str] = {}
         self.non_following_fetch = False
+        self.cordon: Cordon | None = None  # an operator's: begins are busy while it lasts
         self.end_state: str | None = None
         # The local slots' fingerprints at the current version (None: this daemon records none)
         # and every expert's content learned from them this incarnation.
@@ -181,6 +183,7 @@ class LayoutRecord:
                 dirty=self.dirty,
                 attached=tuple(self._attached),
                 non_following_fetch=self.non_following_fetch,
+                cordon=self.cordon,
             )
 
     def physical_to_logical_map(self) -> Map:
@@ -368,6 +371,43 @@ class LayoutRecord:
                 )
                 self.non_following_fetch = True
             return verdict
+
+    def cordon_moves(self, reason: Any) -> Cordon:
+        """An operator's cordon: every begin from now on is answered busy, naming it, until
+        ``uncordon`` or the incarnation's end. Cordoning a cordoned daemon changes nothing (the
+        first cordon, its time and reason, stays)."""
+        with self._lock:
+            try:
+                text = rules.check_cordon_reason(reason)
+            except RequestRefused as exc:
+                self._refuse("cordon", None, exc)
+            if self.cordon is not None:
+                return self.cordon
+            at = self._clock()
+            self.journal.append(
+                [ev.Event(at=at, kind=ev.CORDON, new_version=self.version, reason=text)]
+            )
+            self.cordon = Cordon(since=at, reason=text)
+            return self.cordon
+
+    def uncordon(self) -> Cordon | None:
+        """Lift the cordon; returns the one lifted (None: there was none, nothing changes)."""
+        with self._lock:
+            lifted = self.cordon
+            if lifted is None:
+                return None
+            self.journal.append(
+                [
+                    ev.Event(
+                        at=self._clock(),
+                        kind=ev.UNCORDON,
+                        new_version=self.version,
+                        reason=lifted.reason,
+                    )
+                ]
+            )
+            self.cordon = None
+            return lifted
 
     # --- content: the load check, the content check, repairs ------------------------------------
 

@@ -3,10 +3,11 @@
 ``LayoutRecord`` calls them under its lock before it writes anything, so a refused request can
 never change the record; it checks the engine id a request names first, once
 (``check_request_engine_id``; a replay, ``check_engine_id``). ``check_begin`` checks every
-permanent refusal before its two busy conditions ("a begin that would be refused is refused,
-never busy", docs/protocol.md). A repair is accepted only at a daemon dirty because an engine
-left mid-move, from an attached engine, when every fingerprint it names is what the daemon's
-own slots show now and its rows name what the slots hold (``check_repair``).
+permanent refusal before its busy conditions ("a begin that would be refused is refused, never
+busy", docs/protocol.md); an operator's cordon is one of them. A repair is accepted only at a
+daemon dirty because an engine left mid-move, from an attached engine, when every fingerprint it
+names is what the daemon's own slots show now and its rows name what the slots hold
+(``check_repair``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from layout_ledger.core.layout import (
     validate_rows,
     validate_rows_json,
 )
-from layout_ledger.core.state import DirtyMark, PendingMove
+from layout_ledger.core.state import Cordon, DirtyMark, PendingMove
 
 MAX_ENGINE_ID = 256
 # How many characters of a refused engine id its refusal's reason shows (escaped).
@@ -64,6 +65,8 @@ class StateView(Protocol):
     def attached(self) -> Collection[str]: ...
     @property
     def non_following_fetch(self) -> bool: ...
+    @property
+    def cordon(self) -> Cordon | None: ...
 
 
 def check_engine_id(engine_id: Any) -> str:
@@ -163,6 +166,8 @@ def check_begin(
             "engine without the expert_layout field) has fetched these weights, and the daemon "
             "cannot tell when it exits; no engine may move experts until the daemon restarts"
         )
+    if state.cordon is not None:
+        raise errors.Cordoned(cordoned_reason(state.cordon))
     others = [other for other in state.attached if other != engine_id]
     if others:
         raise errors.MoveBusy(
@@ -175,6 +180,60 @@ def check_begin(
             f"try again later"
         )
     return valid_layers
+
+
+def cordoned_reason(cordon: Cordon) -> str:
+    """The reason a begin at a cordoned daemon is answered ``busy`` with."""
+    return (
+        f"this daemon is cordoned since {cordon.since} ({cordon.reason}): no move may begin "
+        f"until `layout-ledger uncordon` (or a daemon restart); try again later"
+    )
+
+
+MAX_CORDON_REASON = 256
+
+
+def check_cordon_reason(reason: Any) -> str:
+    """A cordon's reason: printable text of at most ``MAX_CORDON_REASON`` characters (it reaches
+    the ledger, the daemon's log and every busy begin's reason, as an engine id does)."""
+    if not isinstance(reason, str) or not reason.strip():
+        raise errors.InvalidRequest(
+            f"a cordon's reason must be a non-empty string, got {type(reason).__name__}"
+        )
+    if len(reason) > MAX_CORDON_REASON or not reason.isprintable():
+        raise errors.InvalidRequest(
+            f"a cordon's reason must be printable text of at most {MAX_CORDON_REASON} "
+            f"characters, got {shown_engine_id(reason)}"
+        )
+    return reason
+
+
+# The cause of a refused or busy begin, from its reason (the messages above): a bounded label
+# for metrics (``layout-ledger metrics``'s begin_refusals_total). The first pattern found names
+# it; a reason none matches (an older daemon's wording) is "other".
+BEGIN_CAUSES: tuple[tuple[str, str], ...] = (
+    ("this daemon is cordoned", "cordoned"),
+    ("expert layout is unknown", "dirty"),
+    ("engine_id ", "invalid_engine_id"),
+    (" is not attached", "not_attached"),
+    (" already has a move of layers", "own_move_pending"),
+    ("is not the current version", "stale_base_version"),
+    ("an engine that does not follow the expert layout", "non_following_fetch"),
+    ("other engines are attached", "busy_other_engine"),
+    ("pending; try again later", "busy_other_move"),
+    ("base_version", "invalid_request"),
+    ("layer", "invalid_layers"),
+)
+BEGIN_CAUSE_OTHER = "other"
+
+
+def begin_cause(reason: str | None) -> str:
+    """The cause (``BEGIN_CAUSES``) of a refused or busy begin whose reason is ``reason``."""
+    text = reason or ""
+    for pattern, cause in BEGIN_CAUSES:
+        if pattern in text:
+            return cause
+    return BEGIN_CAUSE_OTHER
 
 
 def _own_pending(state: StateView, engine_id: str, verb: str) -> PendingMove:

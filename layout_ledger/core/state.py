@@ -89,6 +89,15 @@ class DirtyMark:
 
 
 @dataclass(frozen=True)
+class Cordon:
+    """An operator's cordon on a daemon: every begin is answered ``busy`` (``rules.check_begin``)
+    from ``since`` until an uncordon, or until the incarnation ends (a daemon restart clears it)."""
+
+    since: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class LayoutState:
     """What a daemon's record holds at one moment (live, or derived by a replay)."""
 
@@ -101,6 +110,7 @@ class LayoutState:
     dirty: DirtyMark | None = None
     attached: tuple[str, ...] = field(default_factory=tuple)
     non_following_fetch: bool = False
+    cordon: Cordon | None = None
 
 
 @dataclass(frozen=True)

@@ -284,24 +284,35 @@ def open_reader_engine(path: Path) -> Engine:
     """A read-only engine; never creates or modifies the file or anything beside it.
 
     WAL lets any number of readers (engines, the CLI, the ``sqlite3`` shell) read while the
-    daemon writes. On read-only media, where SQLite cannot create the ``-shm`` a WAL reader
-    needs, it uses SQLite's ``immutable`` mode when no WAL content is present, else a private
-    in-memory copy of the file and its WAL."""
+    daemon writes. Where SQLite would have to create the ``-shm`` (and ``-wal``) a WAL reader
+    needs, beside a file whose daemon does not run (evidence: read without changing its
+    directory), or on read-only media, where it cannot, it uses SQLite's ``immutable`` mode when
+    no WAL content is present, else (read-only media) a private in-memory copy of the file and
+    its WAL. A symbolic link is read as the file it names, its companions beside that file."""
     if not path.exists():
         raise LedgerFileError(f"ledger {path} does not exist")
     if not path.is_file():
         raise LedgerFileError(f"ledger {path} is not a regular file")
     if not os.access(path, os.R_OK):
         raise LedgerFileError(f"ledger {path} is not readable by this user")
-    files.check_companions(path, os.stat(path).st_uid)
-    uri = f"file:{quote(str(path.resolve()))}?mode=ro"
-    if os.access(path.parent, os.W_OK):
+    real = path.resolve()
+    files.check_companions(real, os.stat(real).st_uid)
+    uri = f"file:{quote(str(real))}?mode=ro"
+    if os.access(real.parent, os.W_OK):
+        if _no_wal_content(real) and writer_lock_held(real) is False:
+            # No daemon writes it, and nothing is in a WAL: the main file is the whole ledger.
+            # (A daemon that starts meanwhile writes into a new WAL, which this read ignores.)
+            return _engine(path, uri + "&immutable=1", writer=False)
         return _engine(path, uri, writer=False)
     # Read-only media: SQLite cannot create the -shm a WAL reader needs beside the file.
-    wal = files.companion(path, "-wal")
-    if not wal.exists() or wal.stat().st_size == 0:
+    if _no_wal_content(real):
         return _engine(path, uri + "&immutable=1", writer=False)
-    return _memory_copy_engine(path)
+    return _memory_copy_engine(real)
+
+
+def _no_wal_content(path: Path) -> bool:
+    wal = files.companion(path, "-wal")
+    return not wal.exists() or wal.stat().st_size == 0
 
 
 def _memory_copy_engine(path: Path, attempts: int = 5) -> Engine:

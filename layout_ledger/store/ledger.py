@@ -382,6 +382,15 @@ class Ledger:
                     reports.append(report)
         return reports
 
+    def vacuum(self) -> None:
+        """Rebuild the file without its free pages (``VACUUM``), then empty the WAL, so a prune's
+        space goes back to the filesystem. Only ``layout-ledger prune`` calls it, while it owns
+        the ledger (no daemon runs): it rewrites the whole file, never on a daemon's path."""
+        with self._lock:
+            driver = self._writer.driver()
+            driver.execute("VACUUM")
+            maintenance.checkpoint(driver, self.path, "TRUNCATE")
+
     def checkpoint(self, *, truncate: bool = False) -> CheckpointResult:
         """Checkpoint on the writer connection, outside any transaction."""
         with self._lock:

@@ -7,6 +7,8 @@ history the rules would not have written stops with a ``ReplayMismatch`` naming 
 that differs. One loop (like etcd's ``ReadAll``) thus answers "what state is this incarnation
 in?" (the reader, the daemon's next start) and "did the rules write this history?" (``verify``).
 A commit is replayed by its layers and recorded digest, so pruned rows never stop a replay.
+``IncarnationReplay`` keeps a replay going: each ``advance`` replays only the events appended
+since the last one (an exporter's scrape costs the new events, not the whole history).
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ class StoredEvents:
     def skip(self) -> None:
         self._next += 1
 
+    def extend(self, more: Sequence[StoredEvent]) -> None:
+        """Stored events appended since (the consumed ones are let go)."""
+        self._stored = [*self._stored[self._next :], *more]
+        self._next = 0
+
     @property
     def count(self) -> int:
         return len(self._stored)
@@ -102,29 +109,56 @@ def replay_incarnation(
     conn: Connection, inc: Incarnation, *, then: Journal | None = None, exact: bool = True
 ) -> LayoutRecord:
     """The record of ``inc`` after its whole stored history (see the module docstring)."""
-    journal = StoredEvents(_stored_events(conn, inc.incarnation_id), then, exact=exact)
-    record = LayoutRecord(
-        journal,
-        inc.incarnation_id,
-        inc.geometry,
-        _initial_map(conn, inc),
-        clock=journal.clock,
-        engine_ids=rules.check_engine_id,  # stored ids as they are: their text is verify's
-    )
-    journal.record = record
-    versions = _versions(conn, inc.incarnation_id)
-    started = False
-    while (stored := journal.peek()) is not None:
-        kind = stored.event.kind
-        if kind == ev.PRUNE:
-            journal.skip()  # bookkeeping of which rows are held, not a transition
-            continue
-        _check_order(stored, started, record)
-        started = True
-        _replay_one(record, stored, versions)
-    if not started:
+    replay = IncarnationReplay(conn, inc, then=then, exact=exact)
+    replay.advance(conn)
+    if not replay.started:
         raise ReplayMismatch("the incarnation has no start event")
-    return record
+    return replay.record
+
+
+class IncarnationReplay:
+    """The record of ``inc`` replayed so far; ``advance`` replays the events stored since.
+
+    A ``ReplayMismatch`` leaves the record where the history stopped making sense: start a new
+    replay then (or report the ledger damaged).
+    """
+
+    def __init__(
+        self, conn: Connection, inc: Incarnation, *, then: Journal | None = None, exact: bool = True
+    ) -> None:
+        self.incarnation_id = inc.incarnation_id
+        self.journal = StoredEvents([], then, exact=exact)
+        self.record = LayoutRecord(
+            self.journal,
+            inc.incarnation_id,
+            inc.geometry,
+            _initial_map(conn, inc),
+            clock=self.journal.clock,
+            engine_ids=rules.check_engine_id,  # stored ids as they are: their text is verify's
+        )
+        self.journal.record = self.record
+        self.started = False
+        self.last_event_id = 0  # the newest event replayed (0: none yet)
+        self._versions: dict[int, tuple[str, list[int]]] = {}
+
+    def advance(self, conn: Connection) -> list[StoredEvent]:
+        """Replay the incarnation's events stored after ``last_event_id``; returns them."""
+        new = _stored_events(conn, self.incarnation_id, after=self.last_event_id)
+        if not new:
+            return new
+        newest_version = max(self._versions, default=-1)
+        self._versions.update(_versions(conn, self.incarnation_id, after=newest_version))
+        self.journal.extend(new)
+        while (stored := self.journal.peek()) is not None:
+            kind = stored.event.kind
+            if kind == ev.PRUNE:
+                self.journal.skip()  # bookkeeping of which rows are held, not a transition
+                continue
+            _check_order(stored, self.started, self.record)
+            self.started = True
+            _replay_one(self.record, stored, self._versions)
+        self.last_event_id = new[-1].event_id
+        return new
 
 
 def _check_order(stored: StoredEvent, started: bool, record: LayoutRecord) -> None:
@@ -168,6 +202,8 @@ def _replay_one(
             record.fetch(_fetch_field(event))
         elif kind == ev.END:
             _replay_end(record, event)
+        elif kind in (ev.CORDON, ev.UNCORDON):
+            _replay_cordon(record, stored)
         elif kind == ev.DIRTY:
             raise ReplayMismatch(
                 f"{stored.where} does not follow a detach of that engine during its pending move"
@@ -189,6 +225,19 @@ def _replay_content_dirty(record: LayoutRecord, stored: StoredEvent) -> None:
             f"{record.version}"
         )
     record.mark_content_dirty(list(event.layers or ()), event.reason or "")
+
+
+def _replay_cordon(record: LayoutRecord, stored: StoredEvent) -> None:
+    """A cordon of an uncordoned daemon, or an uncordon of a cordoned one (neither otherwise
+    appends an event)."""
+    if stored.event.kind == ev.CORDON:
+        if record.cordon is not None:
+            raise ReplayMismatch(f"{stored.where} cordons a daemon that was already cordoned")
+        record.cordon_moves(stored.event.reason)
+    else:
+        if record.cordon is None:
+            raise ReplayMismatch(f"{stored.where} uncordons a daemon that was not cordoned")
+        record.uncordon()
 
 
 def _recorded_version(
@@ -251,10 +300,16 @@ _EVENT_COLUMNS = (
 )
 
 
-def _stored_events(conn: Connection, incarnation_id: int) -> list[StoredEvent]:
+def _stored_events(conn: Connection, incarnation_id: int, after: int = 0) -> list[StoredEvent]:
+    """The incarnation's events after event ``after``, oldest first (the primary key's order).
+
+    Past event 0 the primary key's range is searched (``+incarnation_id`` keeps SQLite off the
+    (incarnation, kind) index, which would visit every event of the incarnation)."""
+    column = "+incarnation_id" if after else "incarnation_id"
     rows = conn.exec_driver_sql(
-        f"SELECT {_EVENT_COLUMNS} FROM events WHERE incarnation_id = ? ORDER BY event_id",
-        (incarnation_id,),
+        f"SELECT {_EVENT_COLUMNS} FROM events WHERE event_id > ? AND {column} = ? "
+        f"ORDER BY event_id",
+        (after, incarnation_id),
     )
     return [_stored_event(*row) for row in rows]
 
@@ -281,10 +336,16 @@ def _int_tuple(text_value: Any, event_id: int, column: str) -> tuple[int, ...]:
     raise ReplayMismatch(f"events row {event_id}, column {column}: not a JSON list of ints")
 
 
-def _versions(conn: Connection, incarnation_id: int) -> dict[int, tuple[str, list[int]]]:
+def _versions(
+    conn: Connection, incarnation_id: int, after: int = -1
+) -> dict[int, tuple[str, list[int]]]:
+    """The incarnation's versions above ``after``: digest and the layers each wrote."""
     rows = conn.execute(
-        text("SELECT version, digest, layers FROM versions WHERE incarnation_id = :i"),
-        {"i": incarnation_id},
+        text(
+            "SELECT version, digest, layers FROM versions WHERE incarnation_id = :i "
+            "AND version > :after"
+        ),
+        {"i": incarnation_id, "after": after},
     )
     versions: dict[int, tuple[str, list[int]]] = {}
     for version, digest, layers in rows:
@@ -412,6 +473,8 @@ def _refused_begin(where: str, event: ev.Event, exc: Exception, record: LayoutRe
         return (
             f"{where} names base version {event.base_version} but the version was {record.version}"
         )
+    if isinstance(exc, errors.Cordoned):
+        return f"{where} was accepted while the daemon was cordoned"
     if isinstance(exc, errors.MoveAlreadyPending | errors.MoveBusy):
         if record.pending is not None:
             owner = record.pending.engine_id

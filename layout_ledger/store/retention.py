@@ -128,6 +128,41 @@ def prune_incarnation(
     return PruneReport(inc.incarnation_id, keep_from, int(removed))
 
 
+def prunable_rows(conn: Connection, inc: Incarnation, keep_versions: int) -> tuple[int, int] | None:
+    """What ``prune_incarnation`` would remove, read only (``layout-ledger prune --dry-run``):
+    (the oldest version it would keep whole, the layout rows it would delete), None when it
+    would remove nothing. It raises as a prune would, while a move is pending."""
+    if inc.ended_at is None:
+        pending = replayed(conn, inc).pending
+        if pending is not None:
+            raise LedgerError(
+                f"incarnation {inc.incarnation_id} has a move pending (engine "
+                f"{pending.engine_id!r}, layers {list(pending.layers)}); prune after it commits "
+                f"or aborts"
+            )
+    current, _ = current_version(conn, inc.incarnation_id)
+    keep_from = max(0, current - keep_versions + 1)
+    if keep_from <= reconstructible_from(conn, inc.incarnation_id):
+        return None
+    driver = driver_of(conn)
+    rows = 0
+    for layer in range(inc.geometry.num_layers):
+        key = (inc.incarnation_id, layer)
+        (base,) = driver.execute(
+            "SELECT max(version) FROM layout_rows "
+            "WHERE incarnation_id = ? AND layer = ? AND version <= ?",
+            (*key, keep_from),
+        ).fetchone()
+        if base is not None:
+            (count,) = driver.execute(
+                "SELECT count(*) FROM layout_rows "
+                "WHERE incarnation_id = ? AND layer = ? AND version < ?",
+                (*key, base),
+            ).fetchone()
+            rows += int(count)
+    return keep_from, rows
+
+
 def driver_of(conn: Connection) -> sqlite3.Connection:
     """The sqlite3 connection under a SQLAlchemy one (same transaction)."""
     return conn.connection.dbapi_connection  # type: ignore[return-value]

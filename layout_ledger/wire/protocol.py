@@ -17,7 +17,7 @@ from typing import Any
 
 from layout_ledger.core.content import is_fingerprint
 from layout_ledger.core.layout import Map
-from layout_ledger.core.state import ContentState, LayoutState, PendingMove
+from layout_ledger.core.state import ContentState, Cordon, LayoutState, PendingMove
 
 # --- names ------------------------------------------------------------------------------------
 
@@ -28,9 +28,13 @@ COMMIT = "expert_layout_commit"
 ABORT = "expert_layout_abort"
 CONTENT_CHECK = "expert_layout_content_check"
 REPAIR = "expert_layout_repair"
+CORDON = "expert_layout_cordon"
+UNCORDON = "expert_layout_uncordon"
 FETCH_STATE = "fetch_state"
 
-LAYOUT_REQUEST_TYPES = frozenset({ATTACH, QUERY, BEGIN, COMMIT, ABORT, CONTENT_CHECK, REPAIR})
+LAYOUT_REQUEST_TYPES = frozenset(
+    {ATTACH, QUERY, BEGIN, COMMIT, ABORT, CONTENT_CHECK, REPAIR, CORDON, UNCORDON}
+)
 
 OK = "ok"
 BUSY = "busy"
@@ -354,6 +358,63 @@ class RepairRequest:
         }
 
 
+@dataclass(frozen=True)
+class CordonRequest:
+    """An operator's cordon (``layout-ledger cordon``): every begin answered ``busy`` until an
+    uncordon or a daemon restart; ``reason`` (printable, at most 256 characters) says why."""
+
+    reason: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": CORDON, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class UncordonRequest:
+    """Lift the operator's cordon (``layout-ledger uncordon``)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": UNCORDON}
+
+
+@dataclass(frozen=True)
+class CordonView:
+    """The ``cordon`` field of an ``ok`` reply to cordon and uncordon: whether the daemon is
+    cordoned now, since when and why (``since`` and ``reason`` None when it is not)."""
+
+    cordoned: bool
+    since: str | None
+    reason: str | None
+
+    @classmethod
+    def of(cls, cordon: Cordon | None) -> CordonView:
+        if cordon is None:
+            return cls(False, None, None)
+        return cls(True, cordon.since, cordon.reason)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"cordoned": self.cordoned, "since": self.since, "reason": self.reason}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> CordonView:
+        """Validate a wire ``cordon`` dict; raise ``ProtocolViolation`` naming the bad field."""
+        if not isinstance(raw, Mapping):
+            raise ProtocolViolation(f"cordon is a {type(raw).__name__}, not a dict")
+        cordoned, since, reason = raw.get("cordoned"), raw.get("since"), raw.get("reason")
+        if not isinstance(cordoned, bool):
+            raise ProtocolViolation(f"cordoned {cordoned!r} is not a bool")
+        for name, value in (("since", since), ("reason", reason)):
+            fits = isinstance(value, str) if cordoned else value is None
+            if not fits:
+                raise ProtocolViolation(f"{name} {value!r} does not fit cordoned={cordoned}")
+        return cls(cordoned, since, reason)
+
+
+def cordon_reply(cordon: CordonView) -> dict[str, Any]:
+    """``ok`` + ``cordon`` (cordon, uncordon)."""
+    return {"status": OK, "cordon": cordon.to_wire()}
+
+
 LayoutRequest = (
     AttachRequest
     | QueryRequest
@@ -362,6 +423,8 @@ LayoutRequest = (
     | AbortRequest
     | ContentCheckRequest
     | RepairRequest
+    | CordonRequest
+    | UncordonRequest
 )
 
 
@@ -547,6 +610,16 @@ class Reply:
                     Outcome.ERROR,
                     f"the daemon at {peer} acknowledged the {request_type} without a valid "
                     f"version and digest: {dict(raw)!r}",
+                    raw,
+                )
+        if request_type in (CORDON, UNCORDON):
+            try:
+                CordonView.from_wire(raw.get("cordon"))
+            except ProtocolViolation as exc:
+                return cls(
+                    Outcome.ERROR,
+                    f"the daemon at {peer} sent a malformed cordon in reply to "
+                    f"{request_type}: {exc}",
                     raw,
                 )
         content = None

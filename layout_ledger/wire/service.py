@@ -108,6 +108,24 @@ def _repair(record: LayoutRecord, request: Request, content: ContentSource | Non
     return msg.Committed(version, digest).to_wire()
 
 
+def _cordon(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    cordon = record.cordon_moves(request.get("reason"))
+    logger.warning(
+        "cordoned by the operator since %s (%s): every begin is answered busy until "
+        "uncordon or a restart",
+        cordon.since,
+        cordon.reason,
+    )
+    return msg.cordon_reply(msg.CordonView.of(cordon))
+
+
+def _uncordon(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    lifted = record.uncordon()
+    if lifted is not None:
+        logger.warning("the operator lifted the cordon of %s (%s)", lifted.since, lifted.reason)
+    return msg.cordon_reply(msg.CordonView.of(None))
+
+
 Transition = Callable[[LayoutRecord, Request, "ContentSource | None"], Reply]
 
 TRANSITIONS: dict[str, Transition] = {
@@ -118,13 +136,17 @@ TRANSITIONS: dict[str, Transition] = {
     msg.ABORT: _abort,
     msg.CONTENT_CHECK: _content_check,
     msg.REPAIR: _repair,
+    msg.CORDON: _cordon,
+    msg.UNCORDON: _uncordon,
 }
 # Without a record, these answer no_record; the others (begin, commit, abort, repair) are
-# refused.
+# refused. (A daemon without a record moves no expert, so a cordon has nothing to stop.)
 _NO_RECORD_STATUS = {
     msg.ATTACH: msg.NO_RECORD,
     msg.QUERY: msg.NO_RECORD,
     msg.CONTENT_CHECK: msg.NO_RECORD,
+    msg.CORDON: msg.NO_RECORD,
+    msg.UNCORDON: msg.NO_RECORD,
 }
 
 

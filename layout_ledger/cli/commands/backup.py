@@ -2,7 +2,8 @@
 
 A plain ``cp`` of the main file misses the commits still in its ``-wal``; SQLite's online backup
 API, in one step from a read-only connection, copies the ledger as it stood at one moment. The
-copy (one file, mode 0600) is linked into place, so it never replaces a file.
+copy (one file, mode 0600) is linked into place, so it never replaces a file. Many ledgers (the
+PATH... forms ``fleet`` takes) go into one directory, one file each under its ledger's name.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import os
 import sqlite3
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,17 +22,30 @@ from sqlalchemy.exc import DBAPIError
 
 from layout_ledger.cli import exit_codes
 from layout_ledger.cli.json_shape import JsonShaped
-from layout_ledger.cli.output import emit
-from layout_ledger.core.errors import LedgerError, LedgerFileError, LedgerStorageError
+from layout_ledger.cli.output import emit, print_error
+from layout_ledger.cli.path_expansion import expand_ledger_paths, names_many
+from layout_ledger.core.errors import (
+    LedgerError,
+    LedgerFileError,
+    LedgerStorageError,
+    SchemaOutdated,
+    SchemaTooNew,
+)
 from layout_ledger.store.connections import open_reader_engine
 from layout_ledger.store.files import FILE_MODE
 from layout_ledger.store.migrate import file_revision, refuse_newer
 
 
 def run(args: argparse.Namespace) -> int:
-    result = backup_ledger(args.ledger, args.destination)
-    emit(args, result.to_json(), render_backup(result))
-    return exit_codes.OK
+    if not names_many(args.ledger):
+        result = backup_ledger(args.ledger[0], args.destination)
+        emit(args, result.to_json(), render_backup(result))
+        return exit_codes.OK
+    many = backup_ledgers(expand_ledger_paths(args.ledger), args.destination)
+    emit(args, many.to_json(), render_backups(many))
+    for failed in many.failures:
+        print_error("backup", f"cannot back up {failed.path}: {failed.problem}")
+    return many.exit_code
 
 
 @dataclass(frozen=True)
@@ -44,9 +59,18 @@ class BackupResult(JsonShaped):
     chain_head: str | None  # the last event's chain value (compare with the daemon's log)
 
 
-def backup_output(source: Path, destination: Path) -> Path:
+def backup_output(source: Path, destination: str | os.PathLike[str]) -> Path:
     """The file a backup writes: ``destination``, or the source's name inside it when it is a
-    directory; it must not exist yet, and its directory must."""
+    directory (a name ending in ``/`` must be one); it must not exist yet, and its directory
+    must."""
+    spelled = os.fspath(destination)
+    named_directory = spelled.endswith(("/", os.sep))
+    destination = Path(spelled)
+    if named_directory and not destination.is_dir():
+        raise LedgerError(
+            f"cannot write into {spelled}: no such directory (a DEST ending in / names a "
+            f"directory to write the copy into); create it, or name the copy without the /"
+        )
     output = destination / source.name if destination.is_dir() else destination
     if os.path.lexists(output):
         raise LedgerError(
@@ -61,7 +85,7 @@ def backup_ledger(
     source: str | os.PathLike[str], destination: str | os.PathLike[str]
 ) -> BackupResult:
     """Copy the ledger at ``source`` into ``destination`` (see the module docstring)."""
-    source, destination = Path(source), Path(destination)
+    source = Path(source)
     output = backup_output(source, destination)
     engine = open_reader_engine(source)
     try:
@@ -156,6 +180,70 @@ def _describe(source: Path, output: Path, revision: str) -> BackupResult:
         events=int(events),
         chain_head=head,
     )
+
+
+@dataclass(frozen=True)
+class FailedBackup(JsonShaped):
+    """A ledger among many that could not be backed up, and why."""
+
+    path: str
+    problem: str
+    unusable: bool  # the ledger could not be read (else the copy could not be written)
+
+
+@dataclass(frozen=True)
+class BackupsResult(JsonShaped):
+    """Many ledgers backed up into one directory: each copy, or why it was not made."""
+
+    directory: str
+    backups: tuple[BackupResult, ...]
+    failures: tuple[FailedBackup, ...]
+
+    @property
+    def exit_code(self) -> int:
+        """2 when a ledger could not be read, else 1 when a copy could not be written, else 0."""
+        if any(item.unusable for item in self.failures):
+            return exit_codes.UNUSABLE
+        return exit_codes.FAILED if self.failures else exit_codes.OK
+
+
+def backup_ledgers(paths: Sequence[Path], destination: str | os.PathLike[str]) -> BackupsResult:
+    """Each ledger into the directory ``destination`` under its own name; one that fails does
+    not stop the others. Two ledgers of one name would need one file: refused before any copy."""
+    directory = Path(destination)
+    if not directory.is_dir():
+        raise LedgerError(
+            f"backing up {len(paths)} ledgers needs DEST to be a directory to write one copy of "
+            f"each into; {os.fspath(destination)} is not one"
+        )
+    by_name: dict[str, Path] = {}
+    for path in paths:
+        if path.name in by_name:
+            raise LedgerError(
+                f"{by_name[path.name]} and {path} have the same name, so their copies would be "
+                f"one file in {directory}; back them up into different directories"
+            )
+        by_name[path.name] = path
+    made, failures = [], []
+    for path in paths:
+        try:
+            made.append(backup_ledger(path, directory))
+        except (LedgerFileError, LedgerStorageError, SchemaOutdated, SchemaTooNew) as exc:
+            failures.append(FailedBackup(str(path), str(exc), unusable=True))
+        except LedgerError as exc:
+            failures.append(FailedBackup(str(path), str(exc), unusable=False))
+    return BackupsResult(str(directory), tuple(made), tuple(failures))
+
+
+def render_backups(result: BackupsResult) -> list[str]:
+    lines = [line for made in result.backups for line in render_backup(made)[:1]]
+    lines.append(
+        f"backed up {len(result.backups)} of {len(result.backups) + len(result.failures)} "
+        f"ledgers into {result.directory}"
+        + (f" ({len(result.failures)} failed, see below)" if result.failures else "")
+    )
+    lines.append(f"check them: layout-ledger fleet --verify {result.directory}")
+    return lines
 
 
 def render_backup(result: BackupResult) -> list[str]:

@@ -3,7 +3,10 @@
 Each ledger, read read-only, becomes the finding the engine rank on that GPU would make of its
 daemon (``finding_from_layout``; NO_DAEMON when its writer lock is free, UNREADABLE when it
 cannot be read), and ``core.startup_verdict.decide``, the code every engine rank runs at
-startup, reaches the verdict over them. Exit codes: ``FleetReport.exit_code``.
+startup, reaches the verdict over them. Exit codes: ``FleetReport.exit_code``. A retired
+ledger (``history.retirement``) is shown but not counted. ``--ready-to-stop ENGINE`` asks
+another question: may that engine be stopped now (every rank attached, cordoned, no move
+pending)?
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from layout_ledger.core.startup_verdict import (
     finding_from_layout,
     pending_move_text,
 )
-from layout_ledger.core.state import PendingMove
+from layout_ledger.core.state import Cordon, PendingMove
 from layout_ledger.history.overview import (
     LedgerOverview,
     UnreadableLedger,
@@ -40,6 +43,7 @@ from layout_ledger.history.overview import (
     require_one_readable,
 )
 from layout_ledger.history.reader import LedgerReader
+from layout_ledger.history.retirement import RetirementStep
 from layout_ledger.store.origin import IncarnationOrigin
 from layout_ledger.wire.protocol import LayoutView, pending_to_wire
 
@@ -55,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
         emit(args, verified.to_json(), render_fleet_verify(verified))
         return verified.exit_code
     collected = collect_fleet(paths)
-    emit(args, collected.to_json(), render_fleet(collected))
+    if args.ready_to_stop is not None:
+        ready = ready_to_stop(collected, args.ready_to_stop)
+        emit(args, ready.to_json(), render_ready_to_stop(ready))
+        return ready.exit_code
+    emit(args, collected.to_json(), render_fleet(collected, wide=args.wide))
     for row in collected.ledgers:
         if row.problem is not None:
             print_error("fleet", f"cannot read ledger {row.path}: {row.problem}")
@@ -64,6 +72,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _pending_json(pending: PendingMove | None) -> JsonObject | None:
     return None if pending is None else {**pending_to_wire(pending), "since": pending.since}
+
+
+def _cordon_json(cordon: Cordon | None) -> JsonObject | None:
+    return None if cordon is None else {"since": cordon.since, "reason": cordon.reason}
+
+
+def _retired_json(step: RetirementStep | None) -> JsonObject | None:
+    return None if step is None else step.to_json()
 
 
 @dataclass(frozen=True)
@@ -89,15 +105,23 @@ class FleetRow(JsonShaped):
     attached: tuple[str, ...]
     problem: str | None  # why the ledger cannot be read
     finding: RankFinding = field(metadata=json_field(convert=lambda f: f.kind.value))
+    last_commit_at: str | None = None
+    cordon: Cordon | None = field(default=None, metadata=json_field(convert=_cordon_json))
+    retired: RetirementStep | None = field(default=None, metadata=json_field(convert=_retired_json))
 
     @property
     def state(self) -> str:
-        """``unreadable``, ``dirty``, ``pending`` or ``clean``: what the ledger says."""
+        """``unreadable``, ``retired``, ``dirty``, ``pending``, ``cordoned`` or ``clean``: what
+        the ledger says."""
         if self.problem is not None:
             return "unreadable"
+        if self.retired is not None:
+            return "retired"
         if self.dirty:
             return "dirty"
-        return "pending" if self.pending is not None else "clean"
+        if self.pending is not None:
+            return "pending"
+        return "cordoned" if self.cordon is not None else "clean"
 
 
 @dataclass(frozen=True)
@@ -119,15 +143,24 @@ class FleetReport(JsonShaped):
     verdict: FleetVerdict
 
     @property
+    def counted(self) -> tuple[FleetRow, ...]:
+        """The rows the verdict is reached over: every ledger but the retired ones."""
+        return tuple(row for row in self.ledgers if row.retired is None)
+
+    @property
     def exit_code(self) -> int:
         if self.verdict.outcome != "fail":
             return exit_codes.OK
-        kinds = {row.finding.kind for row in self.ledgers}
+        kinds = {row.finding.kind for row in self.counted}
+        if not kinds:
+            return exit_codes.UNUSABLE
+        if kinds == {FindingKind.NO_DAEMON}:
+            return exit_codes.NOT_RUNNING
         if FindingKind.DIRTY in kinds:
             return exit_codes.DIRTY
         if FindingKind.STUCK in kinds:
             return exit_codes.PENDING_OR_REFUSALS
-        if len(_record_groups(self.ledgers)) > 1:
+        if len(_record_groups(self.counted)) > 1:
             return exit_codes.INCONSISTENT
         if FindingKind.UNREADABLE in kinds:
             return exit_codes.UNUSABLE
@@ -140,7 +173,7 @@ def collect_fleet(paths: Sequence[Path]) -> FleetReport:
     require_one_readable(read)
     ranks = _ranks(read)
     rows = tuple(_row(rank, item) for rank, item in zip(ranks, read, strict=True))
-    return FleetReport(rows, _verdict(rows))
+    return FleetReport(rows, _verdict([row for row in rows if row.retired is None]))
 
 
 def _ranks(read: Sequence[LedgerOverview | UnreadableLedger]) -> list[int]:
@@ -194,6 +227,9 @@ def _row(rank: int, item: LedgerOverview | UnreadableLedger) -> FleetRow:
         attached=tuple(state.attached),
         problem=None,
         finding=_finding(rank, item),
+        last_commit_at=item.last_commit_at,
+        cordon=state.cordon,
+        retired=item.retired,
     )
 
 
@@ -228,6 +264,17 @@ def _finding(rank: int, item: LedgerOverview) -> RankFinding:
 
 
 def _verdict(rows: Sequence[FleetRow]) -> FleetVerdict:
+    if not rows:
+        reason = "every ledger given is retired: there is no rank to reach a verdict over"
+        return FleetVerdict("fail", None, None, reason, None)
+    if all(row.finding.kind is FindingKind.NO_DAEMON for row in rows):
+        # An engine would start (keeping its initial layout), but on no daemon at all: a
+        # health check must not pass with every daemon down.
+        reason = (
+            f"no daemon of these ledgers runs ({_ranks_text([row.rank for row in rows])} not "
+            f"running): start the daemons, then check again"
+        )
+        return FleetVerdict("fail", None, None, reason, None)
     decision = decide([row.finding for row in rows])
     if isinstance(decision, AdoptLayout):
         reason = (
@@ -377,8 +424,26 @@ def verdict_line(verdict: FleetVerdict) -> str:
     return "verdict: fail"
 
 
-def render_fleet(report: FleetReport) -> list[str]:
-    lines = render_table(_COLUMNS, [_cells(row) for row in report.ledgers])
+# ``-o wide``: these after the state.
+_WIDE_COLUMNS = ("attached", "pending_since", "last_commit", "cordon")
+
+
+def _wide_cells(row: FleetRow) -> tuple[str, ...]:
+    return (
+        ",".join(row.attached) or "-",
+        "-" if row.pending is None or row.pending.since is None else row.pending.since,
+        row.last_commit_at or "-",
+        "-" if row.cordon is None else row.cordon.since,
+    )
+
+
+def render_fleet(report: FleetReport, *, wide: bool = False) -> list[str]:
+    if wide:
+        header = (*_COLUMNS[:-1], *_WIDE_COLUMNS, _COLUMNS[-1])
+        cells = [(*_cells(row)[:-1], *_wide_cells(row), row.path) for row in report.ledgers]
+        lines = render_table(header, cells)
+    else:
+        lines = render_table(_COLUMNS, [_cells(row) for row in report.ledgers])
     lines.append("")
     lines.append(verdict_line(report.verdict))
     lines.append(f"  {report.verdict.reason}")
@@ -440,3 +505,123 @@ def _verify_one(path: Path) -> VerifiedLedger:
 def render_fleet_verify(report: FleetVerifyReport) -> list[str]:
     words = {True: "ok", False: "INCONSISTENT", None: "unusable"}
     return [f"{ledger.path}: {words[ledger.ok]}: {ledger.detail}" for ledger in report.ledgers]
+
+
+# --- fleet --ready-to-stop ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankReadiness(JsonShaped):
+    """Whether one rank's daemon lets the engine stop now, and what keeps it from it."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("ready",)
+
+    rank: int
+    path: str
+    problems: tuple[str, ...]
+    blocker: str | None  # the worst problem's kind: unreadable, not_running, pending, not_ready
+
+    @property
+    def ready(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class ReadyToStop(JsonShaped):
+    """``fleet --ready-to-stop ENGINE``: every counted rank attached to the engine, cordoned,
+    no move pending, its daemon running; else the ranks and why."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("ready",)
+
+    engine_id: str
+    ranks: tuple[RankReadiness, ...]
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.ranks) and all(rank.ready for rank in self.ranks)
+
+    @property
+    def exit_code(self) -> int:
+        """0 ready; else 2 a ledger unreadable, 6 a daemon not running, 4 a move pending, 7
+        a rank not cordoned or without the engine (the worst first)."""
+        if self.ready:
+            return exit_codes.OK
+        blockers = {rank.blocker for rank in self.ranks}
+        for blocker, code in (
+            ("unreadable", exit_codes.UNUSABLE),
+            ("not_running", exit_codes.NOT_RUNNING),
+            ("pending", exit_codes.PENDING_OR_REFUSALS),
+        ):
+            if blocker in blockers:
+                return code
+        return exit_codes.NOT_READY
+
+
+def _engine_named(rows: Sequence[FleetRow], given: str) -> str:
+    """The engine id ``given`` names: itself when attached anywhere, else the one attached id
+    it begins (an engine id is long; its prefix is what an operator types)."""
+    ids = {engine for row in rows for engine in row.attached}
+    if given in ids:
+        return given
+    matches = sorted(engine for engine in ids if engine.startswith(given))
+    if len(matches) > 1:
+        raise LedgerError(
+            f"--ready-to-stop {given!r} matches {len(matches)} attached engines: "
+            f"{', '.join(repr(m) for m in matches)}; give more of the id"
+        )
+    return matches[0] if matches else given
+
+
+_BLOCKER_ORDER = ("unreadable", "not_running", "pending", "not_ready")
+
+
+def ready_to_stop(report: FleetReport, given: str) -> ReadyToStop:
+    rows = report.counted
+    engine = _engine_named(rows, given)
+    ranks = []
+    for row in rows:
+        problems: list[tuple[str, str]] = []
+        if row.problem is not None:
+            problems.append(("unreadable", f"unreadable: {row.problem}"))
+        elif row.alive is False:
+            problems.append(("not_running", f"its daemon is {row.daemon}"))
+        else:
+            if engine not in row.attached:
+                attached = ", ".join(repr(e) for e in row.attached) or "none"
+                problems.append(
+                    ("not_ready", f"engine {engine!r} is not attached (attached: {attached})")
+                )
+            if row.pending is not None:
+                problems.append(("pending", f"a move is pending: {pending_move_text(row.pending)}"))
+            if row.cordon is None:
+                problems.append(
+                    ("not_ready", f"not cordoned (run `layout-ledger cordon {row.path}`)")
+                )
+        blocker = min((kind for kind, _ in problems), key=_BLOCKER_ORDER.index, default=None)
+        ranks.append(
+            RankReadiness(row.rank, row.path, tuple(text for _, text in problems), blocker)
+        )
+    return ReadyToStop(engine, tuple(ranks))
+
+
+def render_ready_to_stop(report: ReadyToStop) -> list[str]:
+    lines = []
+    for rank in report.ranks:
+        if rank.ready:
+            lines.append(f"rank {rank.rank}: ready ({rank.path})")
+        else:
+            lines.append(f"rank {rank.rank}: not ready: {'; '.join(rank.problems)} ({rank.path})")
+    lines.append("")
+    count = len(report.ranks)
+    if report.ready:
+        lines.append(
+            f"ready to stop engine {report.engine_id!r}: on all {count} ranks it is attached, "
+            f"no move is pending and the daemon is cordoned"
+        )
+    else:
+        waiting = [rank.rank for rank in report.ranks if not rank.ready]
+        lines.append(
+            f"not ready to stop engine {report.engine_id!r}: {_ranks_text(waiting)} of {count} "
+            f"not ready"
+        )
+    return lines

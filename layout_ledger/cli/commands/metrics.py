@@ -1,9 +1,13 @@
 """``layout-ledger metrics``: the ledgers' state as Prometheus series (docs/cli.md lists them).
 
-Collecting reads each ledger read-only (``history.overview``), never blocking its daemon. Only
-the rendering needs ``prometheus_client`` (the ``metrics`` extra), imported when asked for;
-``write_textfile`` writes for node_exporter's textfile collector, ``serve_metrics`` serves
-``/metrics``, re-reading the ledgers on every scrape.
+Collecting reads each ledger read-only (``history.overview``), never blocking its daemon; the
+exporter (``--serve``) keeps each ledger's replay between scrapes (``OverviewCache``), so a
+scrape costs the events appended since the last one, not the history. Only the rendering needs
+``prometheus_client`` (the ``metrics`` extra), imported when asked for; ``write_textfile``
+writes for node_exporter's textfile collector, ``serve_metrics`` serves ``/metrics`` through a
+bounded server (``cli.metrics_server``). Labels stay bounded: one series per ledger (and per
+refusal kind or begin cause), no value that changes with each commit or restart (the digest is
+a value, ``digest_prefix``; the pid is not exported).
 """
 
 from __future__ import annotations
@@ -13,25 +17,29 @@ import datetime
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from layout_ledger.cli import exit_codes
 from layout_ledger.cli.atomic_files import write_atomically
 from layout_ledger.cli.json_shape import JsonObject
-from layout_ledger.cli.output import emit, print_error
+from layout_ledger.cli.metric_labels import LEDGER_LABELS, PREFIX, label_name_problem
+from layout_ledger.cli.metrics_server import MetricsHTTPServer, SharedCollection
+from layout_ledger.cli.output import emit, print_error, print_warning
 from layout_ledger.cli.path_expansion import expand_ledger_paths
 from layout_ledger.cli.terminal import printable
 from layout_ledger.core.errors import LedgerError, LedgerFileError
 from layout_ledger.history.overview import (
+    BEGIN_CAUSE_NAMES,
     REFUSAL_KINDS,
     LedgerOverview,
+    OverviewCache,
     UnreadableLedger,
     read_overviews,
     require_one_readable,
@@ -39,10 +47,9 @@ from layout_ledger.history.overview import (
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "sglang_expert_layout"
-LEDGER_LABELS = ("ledger", "host", "device_uuid", "gpu_id", "tp_rank")
 EXTRA_HINT = "pip install 'sglang-expert-layout-ledger[metrics]'"
-_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+# node_exporter's textfile collector reads only the files of its directory named *.prom.
+TEXTFILE_SUFFIX = ".prom"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +61,12 @@ def run(args: argparse.Namespace) -> int:
     require_one_readable(collected.ledgers)
     text = exposition(collected)
     if args.output is not None:
+        if not args.output.endswith(TEXTFILE_SUFFIX):
+            print_warning(
+                "metrics",
+                f"{args.output} does not end in {TEXTFILE_SUFFIX}: node_exporter's textfile "
+                f"collector reads only *{TEXTFILE_SUFFIX} files, so it will not read this one",
+            )
         write_textfile(Path(args.output), text)
     payload = {
         "output": args.output,
@@ -82,9 +95,10 @@ def _serve_metrics(args: argparse.Namespace, labels: dict[str, str]) -> int:
     try:
         server = serve_metrics(host, port, args.paths, labels)
         try:
+            exposed = "" if _loopback(host) else " (every host that reaches this port can scrape)"
             sys.stdout.write(
-                f"serving {server.url}: {len(args.paths)} ledger path(s), re-read read-only "
-                f"on every scrape; SIGTERM or Ctrl-C stops\n"
+                f"serving {server.url}{exposed}: {len(args.paths)} ledger path(s), read "
+                f"read-only, each scrape reading what changed; SIGTERM or Ctrl-C stops\n"
             )
             sys.stdout.flush()
             stop.wait()
@@ -96,13 +110,25 @@ def _serve_metrics(args: argparse.Namespace, labels: dict[str, str]) -> int:
     return exit_codes.OK
 
 
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def check_constant_labels(labels: Mapping[str, str]) -> None:
-    """``--label`` names: Prometheus label names, none of the series' own."""
+    """``--label`` names: Prometheus label names, none of the series' own (the parser already
+    refused these with exit 2; this guards callers of the library)."""
     for name in labels:
-        if not _LABEL_NAME.match(name) or name.startswith("__"):
-            raise LedgerError(f"--label {name!r} is not a Prometheus label name")
-        if name in (*LEDGER_LABELS, "kind", "digest"):
-            raise LedgerError(f"--label {name!r} is a label every series already has")
+        problem = label_name_problem(name)
+        if problem is not None:
+            raise LedgerError(f"--label {problem}")
+
+
+@dataclass(frozen=True)
+class FileSizes:
+    """A ledger file's bytes on disk and its ``-wal``'s (0 when there is none)."""
+
+    file_bytes: int
+    wal_bytes: int
 
 
 @dataclass(frozen=True)
@@ -112,6 +138,8 @@ class MetricsReport:
     ledgers: tuple[LedgerOverview | UnreadableLedger, ...]
     labels: Mapping[str, str]
     collected_at: float  # UNIX seconds
+    sizes: Mapping[str, FileSizes] = field(default_factory=dict)
+    collect_seconds: float = 0.0
 
     @property
     def unreadable(self) -> tuple[UnreadableLedger, ...]:
@@ -122,18 +150,57 @@ def collect_metrics(
     specs: Sequence[str | os.PathLike[str]],
     labels: Mapping[str, str] | None = None,
     now: Callable[[], float] | None = None,
+    cache: OverviewCache | None = None,
 ) -> MetricsReport:
-    """Read the ledgers the PATH ``specs`` name (a spec naming none is itself unreadable)."""
+    """Read the ledgers the PATH ``specs`` name (a spec naming none is itself unreadable).
+
+    Each ledger is named by its real path (the ``ledger`` label), however the PATH spelled it.
+    With ``cache`` each ledger is read on from what the cache kept (``OverviewCache``)."""
+    started = time.perf_counter()
     read: list[LedgerOverview | UnreadableLedger] = []
+    sizes: dict[str, FileSizes] = {}
     for spec in specs:
         try:
-            paths = expand_ledger_paths([spec])
+            paths = [Path(os.path.realpath(path)) for path in expand_ledger_paths([spec])]
         except LedgerFileError as exc:
             read.append(UnreadableLedger(os.fspath(spec), str(exc)))
             continue
-        read.extend(read_overviews(paths))
+        if cache is None:
+            read.extend(read_overviews(paths))
+        else:
+            read.extend(_read_cached(cache, paths))
+        for path in paths:
+            sizes[os.fspath(path)] = _sizes(path)
+    if cache is not None:
+        cache.forget_except([item.path for item in read])
     clock = now or (lambda: datetime.datetime.now(datetime.timezone.utc).timestamp())
-    return MetricsReport(tuple(read), dict(labels or {}), clock())
+    return MetricsReport(
+        tuple(read), dict(labels or {}), clock(), sizes, time.perf_counter() - started
+    )
+
+
+def _read_cached(
+    cache: OverviewCache, paths: Sequence[Path]
+) -> list[LedgerOverview | UnreadableLedger]:
+    """``read_overviews``, through the cache."""
+    found: list[LedgerOverview | UnreadableLedger] = []
+    for path in paths:
+        try:
+            found.append(cache.read(path))
+        except Exception:
+            # The same wording as an uncached read: read it once more without the cache.
+            found.extend(read_overviews([path]))
+    return found
+
+
+def _sizes(path: Path) -> FileSizes:
+    def size(file: Path) -> int:
+        try:
+            return os.stat(file).st_size
+        except OSError:
+            return 0
+
+    return FileSizes(size(path), size(path.with_name(path.name + "-wal")))
 
 
 # --- the series -----------------------------------------------------------------------------
@@ -154,7 +221,24 @@ def _ledger_labels(item: LedgerOverview) -> list[str]:
     return [_label_value(value) for value in values]
 
 
-def _gauges(item: LedgerOverview, now: float) -> dict[str, float]:
+def digest_prefix(digest: str) -> float:
+    """The digest's first 12 hex digits as a number (48 bits: exact in a float): equal values
+    are equal layouts across ranks, with no label per digest."""
+    try:
+        return float(int(digest[:12], 16))
+    except ValueError:
+        return math.nan
+
+
+def attached_engine_counts(item: LedgerOverview) -> Mapping[str | None, int]:
+    """Attached engines by role. ROLE: the leases work (issue 21) gives attachments a role
+    (active/standby); until the state carries one, every engine counts under None and the
+    series has no ``role`` label. With roles: return ``{role: count}`` here, and
+    ``_attached_family`` adds the label."""
+    return {None: len(item.state.attached)}
+
+
+def _gauges(item: LedgerOverview, now: float, sizes: FileSizes | None) -> dict[str, float]:
     state, alive = item.state, item.liveness.alive
     pending = state.pending
     pending_for = 0.0
@@ -165,10 +249,15 @@ def _gauges(item: LedgerOverview, now: float) -> dict[str, float]:
         "dirty": float(state.dirty is not None),
         "move_pending": float(pending is not None),
         "move_pending_seconds": pending_for,
-        "attached_engines": float(len(state.attached)),
         "daemon_up": math.nan if alive is None else float(alive),
         "last_commit_timestamp_seconds": _seconds(item.last_commit_at),
         "incarnation": float(item.incarnation.incarnation_id),
+        "digest_prefix": digest_prefix(state.digest),
+        "non_following_fetch": float(state.non_following_fetch),
+        "cordoned": float(state.cordon is not None),
+        "versions_held": float(state.version - item.reconstructible_from + 1),
+        "ledger_file_bytes": float(0 if sizes is None else sizes.file_bytes),
+        "ledger_wal_bytes": float(0 if sizes is None else sizes.wal_bytes),
     }
 
 
@@ -178,11 +267,18 @@ _GAUGE_HELP = {
     "dirty": "1 while the layout is unknown (an engine left mid-move): restart the daemon.",
     "move_pending": "1 while an engine's two-phase move is pending (begun, not committed).",
     "move_pending_seconds": "How long the pending move has been pending, 0 when none is.",
-    "attached_engines": "Engines attached to the daemon (open attach connections).",
     "daemon_up": "1 while the daemon owning the ledger runs (its writer lock is held), 0 when "
-    "it does not; NaN when this host cannot tell (another host, read-only media).",
+    "it does not; NaN when this host cannot tell (a free lock on a network filesystem).",
     "last_commit_timestamp_seconds": "When the current version was recorded (UNIX seconds).",
     "incarnation": "The id of the daemon's latest incarnation (one per daemon start).",
+    "digest_prefix": "The first 12 hex digits of the layout's digest, as a number: ranks with "
+    "equal values hold equal layouts.",
+    "non_following_fetch": "1 once an engine that does not follow the layout fetched the "
+    "weights: no engine may move experts until the daemon restarts.",
+    "cordoned": "1 while an operator's cordon answers every begin busy (layout-ledger cordon).",
+    "versions_held": "Versions whose whole map the ledger still holds (retention prunes older).",
+    "ledger_file_bytes": "The ledger file's size on disk.",
+    "ledger_wal_bytes": "The size of the ledger's -wal file (0 when there is none).",
 }
 
 
@@ -193,25 +289,47 @@ def families(report: MetricsReport) -> list[Any]:
     extra = [_label_value(value) for value in report.labels.values()]
     labels = [*LEDGER_LABELS, *constant]
     readable = [item for item in report.ledgers if isinstance(item, LedgerOverview)]
+    counted = [item for item in readable if item.retired is None]
     found: list[Any] = []
     for name, help_text in _GAUGE_HELP.items():
         gauge = core.GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=labels)
-        for item in readable:
-            gauge.add_metric(_ledger_labels(item) + extra, _gauges(item, report.collected_at)[name])
+        for item in counted:
+            values = _gauges(item, report.collected_at, report.sizes.get(item.path))
+            gauge.add_metric(_ledger_labels(item) + extra, values[name])
         found.append(gauge)
-    found.extend(_counters(core, readable, labels, extra))
+    found.append(_attached_family(core, counted, labels, extra))
+    found.extend(_counters(core, counted, labels, extra))
     info = core.InfoMetricFamily(
-        PREFIX, "The layout's digest and where the daemon runs, as labels.", labels=labels
+        PREFIX, "Where the daemon runs and what it runs, as labels.", labels=labels
     )
-    for item in readable:
+    for item in counted:
         info.add_metric(_ledger_labels(item) + extra, _info_labels(item))
     found.append(info)
-    found.append(_readable(core, report, constant, extra))
+    found.extend(_per_path(core, report, constant, extra))
+    found.extend(_exporter(core, report, constant, extra))
     return found
 
 
+def _attached_family(
+    core: Any, counted: Sequence[LedgerOverview], labels: list[str], extra: list[str]
+) -> Any:
+    by_role = [(item, attached_engine_counts(item)) for item in counted]
+    with_role = any(role is not None for _, roles in by_role for role in roles)
+    gauge = core.GaugeMetricFamily(
+        f"{PREFIX}_attached_engines",
+        "Engines attached to the daemon (open attach connections)"
+        + (", by role." if with_role else "."),
+        labels=[*labels, "role"] if with_role else labels,
+    )
+    for item, roles in by_role:
+        for role, count in roles.items():
+            role_label = [_label_value(role)] if with_role else []
+            gauge.add_metric([*_ledger_labels(item), *extra, *role_label], float(count))
+    return gauge
+
+
 def _counters(
-    core: Any, readable: Sequence[LedgerOverview], labels: list[str], extra: list[str]
+    core: Any, counted: Sequence[LedgerOverview], labels: list[str], extra: list[str]
 ) -> Iterator[Any]:
     commits = core.CounterMetricFamily(
         f"{PREFIX}_commits",
@@ -224,24 +342,33 @@ def _counters(
         "(<verb>_refused, begin_busy).",
         labels=[*labels, "kind"],
     )
-    for item in readable:
+    begins = core.CounterMetricFamily(
+        f"{PREFIX}_begin_refusals",
+        "Begins the daemon refused or answered busy in its latest incarnation, by cause "
+        "(busy_*, cordoned: busy, the engine retries; the others refused).",
+        labels=[*labels, "reason"],
+    )
+    for item in counted:
         commits.add_metric(_ledger_labels(item) + extra, float(item.commits))
         for kind in REFUSAL_KINDS:
             refusals.add_metric(
                 [*_ledger_labels(item), *extra, kind], float(item.refusals.get(kind, 0))
             )
+        for cause in BEGIN_CAUSE_NAMES:
+            begins.add_metric(
+                [*_ledger_labels(item), *extra, cause], float(item.begin_causes.get(cause, 0))
+            )
     yield commits
     yield refusals
+    yield begins
 
 
 def _info_labels(item: LedgerOverview) -> dict[str, str]:
     origin = item.incarnation.origin
     values = {
-        "digest": item.state.digest,
         "config_fingerprint": item.incarnation.config_fingerprint,
         "pp_rank": origin.pp_rank,
         "ep_rank": origin.ep_rank,
-        "pid": origin.pid,
         "socket_path": origin.socket_path,
         "sglang_version": origin.sglang_version,
         "plugin_version": origin.plugin_version,
@@ -249,16 +376,40 @@ def _info_labels(item: LedgerOverview) -> dict[str, str]:
     return {name: _label_value(value) for name, value in values.items()}
 
 
-def _readable(core: Any, report: MetricsReport, constant: list[str], extra: list[str]) -> Any:
-    gauge = core.GaugeMetricFamily(
+def _per_path(core: Any, report: MetricsReport, constant: list[str], extra: list[str]) -> Any:
+    readable = core.GaugeMetricFamily(
         f"{PREFIX}_ledger_readable",
         "1 when the ledger was read at this collection, 0 when it could not be (the exporter "
         "logs why).",
         labels=["ledger", *constant],
     )
+    retired = core.GaugeMetricFamily(
+        f"{PREFIX}_ledger_retired",
+        "1 for a retired ledger (layout-ledger retire): no other series is exported for it.",
+        labels=["ledger", *constant],
+    )
     for item in report.ledgers:
-        gauge.add_metric([_label_value(item.path), *extra], float(isinstance(item, LedgerOverview)))
-    return gauge
+        is_read = isinstance(item, LedgerOverview)
+        readable.add_metric([_label_value(item.path), *extra], float(is_read))
+        if isinstance(item, LedgerOverview):
+            retired.add_metric([_label_value(item.path), *extra], float(item.retired is not None))
+    return [readable, retired]
+
+
+def _exporter(core: Any, report: MetricsReport, constant: list[str], extra: list[str]) -> Any:
+    collected = core.GaugeMetricFamily(
+        f"{PREFIX}_exporter_collected_timestamp_seconds",
+        "When these series were collected (UNIX seconds): a textfile's age is time() minus it.",
+        labels=constant,
+    )
+    collected.add_metric(extra, report.collected_at)
+    took = core.GaugeMetricFamily(
+        f"{PREFIX}_exporter_collect_seconds",
+        "How long the collection of these series took.",
+        labels=constant,
+    )
+    took.add_metric(extra, report.collect_seconds)
+    return [collected, took]
 
 
 # --- rendering ------------------------------------------------------------------------------
@@ -275,16 +426,13 @@ def _prometheus_core() -> Any:
 
 
 class _Collector:
-    """A ``prometheus_client`` collector whose every ``collect`` re-reads the ledgers."""
+    """A ``prometheus_client`` collector of one report."""
 
-    def __init__(self, collect: Callable[[], MetricsReport]) -> None:
-        self._collect = collect
+    def __init__(self, report: MetricsReport) -> None:
+        self._report = report
 
     def collect(self) -> list[Any]:
-        report = self._collect()
-        for item in report.unreadable:
-            logger.warning("cannot read ledger %s: %s", item.path, item.problem)
-        return families(report)
+        return families(self._report)
 
 
 def exposition(report: MetricsReport) -> bytes:
@@ -293,7 +441,7 @@ def exposition(report: MetricsReport) -> bytes:
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(lambda: report))
+    registry.register(_Collector(report))
     return bytes(generate_latest(registry))
 
 
@@ -313,23 +461,40 @@ def write_textfile(output: Path, data: bytes) -> None:
     write_atomically(output, data, temporary_suffix=".tmp")
 
 
-@dataclass
 class MetricsServer:
-    """``prometheus_client``'s HTTP server for ``/metrics``, running on its own thread."""
+    """The exporter: a bounded HTTP server whose scrapes share one collection, each reading
+    the ledgers on from what the last one read."""
 
-    server: Any
-    thread: Any
+    def __init__(
+        self,
+        specs: Sequence[str | os.PathLike[str]],
+        labels: Mapping[str, str],
+        host: str,
+        port: int,
+        **bounds: Any,
+    ) -> None:
+        self._specs = list(specs)
+        self._labels = dict(labels)
+        self.cache = OverviewCache()
+        self.shared = SharedCollection(self._collect)
+        self.shared.get()  # the first collection replays each history once, before serving
+        try:
+            self.http = MetricsHTTPServer(host, port, self.shared.get, **bounds)
+        except OSError as exc:
+            raise LedgerError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from exc
+
+    def _collect(self) -> bytes:
+        report = collect_metrics(self._specs, self._labels, cache=self.cache)
+        for item in report.unreadable:
+            logger.warning("cannot read ledger %s: %s", item.path, item.problem)
+        return exposition(report)
 
     @property
     def url(self) -> str:
-        host, port = self.server.server_address[:2]
-        shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{port}/metrics"
+        return self.http.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+        self.http.close()
 
 
 def serve_metrics(
@@ -337,15 +502,9 @@ def serve_metrics(
     port: int,
     specs: Sequence[str | os.PathLike[str]],
     labels: Mapping[str, str] | None = None,
+    **bounds: Any,
 ) -> MetricsServer:
-    """Serve ``/metrics`` on ``host:port`` (port 0: any free one), re-reading on each scrape."""
+    """Serve ``/metrics`` on ``host:port`` (port 0: any free one); ``bounds``: the server's
+    ``max_connections``, ``deadline`` and ``workers``."""
     _prometheus_core()
-    from prometheus_client import CollectorRegistry, start_http_server
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(lambda: collect_metrics(specs, labels)))
-    try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:
-        raise LedgerError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from exc
-    return MetricsServer(server, thread)
+    return MetricsServer(specs, labels or {}, host, port, **bounds)

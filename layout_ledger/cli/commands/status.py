@@ -1,37 +1,67 @@
 """``layout-ledger status``: one incarnation's state, as a restarted daemon would derive it.
 
-Exit 3 when dirty, 4 when a move is pending or the daemon refused requests, else 0.
+Exit 3 when dirty, 4 when a move is pending, 6 when the daemon of the latest incarnation is not
+running, 4 when the daemon refused requests within the last ``REFUSALS_WINDOW`` (10 minutes),
+else 0 (also for a retired ledger). Many ledgers at once (PATH... as ``fleet`` takes them): one
+block each, and the worst exit code (``StatusesReport``).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
 
 from layout_ledger.cli import exit_codes
 from layout_ledger.cli.event_rows import EVENT_COLUMNS_SQL, EventRow
 from layout_ledger.cli.held_maps import geometry_json
 from layout_ledger.cli.json_shape import JsonObject, JsonShaped, json_field
-from layout_ledger.cli.output import emit
+from layout_ledger.cli.output import emit, print_error
+from layout_ledger.cli.path_expansion import expand_ledger_paths, names_many
 from layout_ledger.cli.pending_moves import pending_text, pending_wire
 from layout_ledger.core import events as ev
-from layout_ledger.core.state import DirtyMark, PendingMove
+from layout_ledger.core.errors import LedgerError, LedgerFileError
+from layout_ledger.core.state import Cordon, DirtyMark, PendingMove
 from layout_ledger.history.liveness import Liveness, daemon_liveness
 from layout_ledger.history.reader import LedgerReader
+from layout_ledger.history.retirement import RetirementStep, current_retirement
 from layout_ledger.store.origin import IncarnationOrigin
 from layout_ledger.store.replay import replayed
 from layout_ledger.store.rows import Incarnation, current_version, incarnation, reconstructible_from
 from layout_ledger.wire.protocol import pending_to_wire
 
+# Refusals make ``state: refusals`` (exit 4) only while the newest of them is this recent: a
+# refusal is a symptom to look at now, and a health check must not stay failed for the rest of
+# an incarnation after one transient refusal. Ten minutes: two of Prometheus' default
+# evaluation windows for the refusal alert, and longer than an engine's startup wait (300 s).
+REFUSALS_WINDOW = datetime.timedelta(minutes=10)
+
+Clock = Callable[[], datetime.datetime]
+
+
+def _utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
 
 def run(args: argparse.Namespace) -> int:
-    with LedgerReader(args.ledger) as ledger:
-        collected = collect_status(ledger, args.incarnation)
-    emit(args, collected.to_json(), render_status(collected))
-    return collected.exit_code
+    if not names_many(args.ledger):
+        (path,) = args.ledger
+        with LedgerReader(path) as ledger:
+            collected = collect_status(ledger, args.incarnation)
+        emit(args, collected.to_json(), render_status(collected))
+        return collected.exit_code
+    many = collect_statuses(expand_ledger_paths(args.ledger), args.incarnation)
+    emit(args, many.to_json(), render_statuses(many))
+    for problem in many.unreadable:
+        print_error("status", f"cannot read ledger {problem.path}: {problem.problem}")
+    return many.exit_code
 
 
 def _incarnation_json(inc: Incarnation) -> JsonObject:
@@ -68,6 +98,14 @@ def _pending_json(pending: PendingMove | None) -> JsonObject:
     }
 
 
+def _step_json(step: RetirementStep | None) -> JsonObject | None:
+    return None if step is None else step.to_json()
+
+
+def _cordon_json(cordon: Cordon | None) -> JsonObject | None:
+    return None if cordon is None else {"since": cordon.since, "reason": cordon.reason}
+
+
 @dataclass(frozen=True)
 class StatusReport(JsonShaped):
     """One incarnation's state, as a restarted daemon would derive it, plus what happened."""
@@ -85,44 +123,79 @@ class StatusReport(JsonShaped):
     pending: PendingMove | None = field(metadata=json_field(convert=_pending_json, spread=True))
     attached: tuple[str, ...]
     non_following_fetch: bool
-    refusals: int
+    refusals: int  # refused requests (``*_refused``) in this incarnation, each counted in full
     last_event: EventRow | None
+    latest: bool = field(metadata=json_field(omit=True))  # the ledger's newest incarnation
+    # Refused requests whose newest refusal is within REFUSALS_WINDOW of the collection.
+    recent_refusals: int = 0
+    refusals_window_seconds: int = int(REFUSALS_WINDOW.total_seconds())
+    # Begins answered busy (another engine, another's move, a cordon): not refusals, the same
+    # begin can succeed later.
+    busy_begins: int = 0
+    cordon: Cordon | None = field(default=None, metadata=json_field(convert=_cordon_json))
+    retired: RetirementStep | None = field(default=None, metadata=json_field(convert=_step_json))
 
     @property
     def state(self) -> str:
-        """``dirty``, ``pending``, ``refusals`` or ``clean``: the worst first."""
+        """``retired``, ``dirty``, ``pending``, ``not_running``, ``refusals`` or ``clean``:
+        the worst first (a retired ledger is retired whatever else it says)."""
+        if self.retired is not None:
+            return "retired"
         if self.dirty is not None:
             return "dirty"
         if self.pending is not None:
             return "pending"
-        if self.refusals:
+        if self.latest and self.liveness.alive is False:
+            return "not_running"
+        if self.recent_refusals:
             return "refusals"
         return "clean"
 
     @property
     def exit_code(self) -> int:
-        return {
-            "dirty": exit_codes.DIRTY,
-            "pending": exit_codes.PENDING_OR_REFUSALS,
-            "refusals": exit_codes.PENDING_OR_REFUSALS,
-            "clean": exit_codes.OK,
-        }[self.state]
+        return STATE_EXIT_CODES[self.state]
 
 
-def collect_status(ledger: LedgerReader, incarnation_id: int | None = None) -> StatusReport:
+STATE_EXIT_CODES = {
+    "retired": exit_codes.OK,
+    "dirty": exit_codes.DIRTY,
+    "pending": exit_codes.PENDING_OR_REFUSALS,
+    "not_running": exit_codes.NOT_RUNNING,
+    "refusals": exit_codes.PENDING_OR_REFUSALS,
+    "unreadable": exit_codes.UNUSABLE,
+    "clean": exit_codes.OK,
+}
+# Over many ledgers: the state that decides the exit code, the worst first.
+STATE_PRECEDENCE = ("dirty", "pending", "not_running", "refusals", "unreadable")
+
+
+def _refusal_counts(conn: Any, incarnation_id: int, since: str) -> tuple[int, int, int]:
+    """(refusals, of them since ``since``, busy begins) in the incarnation, counted in full."""
+    row = conn.execute(
+        text(
+            "SELECT "
+            "coalesce(sum(CASE WHEN kind LIKE :k THEN count END), 0), "
+            "coalesce(sum(CASE WHEN kind LIKE :k AND coalesce(last_at, at) >= :since "
+            "THEN count END), 0), "
+            "coalesce(sum(CASE WHEN kind = :busy THEN count END), 0) "
+            "FROM ledger_events WHERE incarnation_id = :i"
+        ),
+        {"i": incarnation_id, "k": "%" + ev.REFUSED_SUFFIX, "since": since, "busy": ev.BEGIN_BUSY},
+    ).one()
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+def collect_status(
+    ledger: LedgerReader, incarnation_id: int | None = None, now: Clock = _utc_now
+) -> StatusReport:
+    since = (now() - REFUSALS_WINDOW).isoformat(timespec="microseconds")
     with ledger.connect() as conn:
         inc = incarnation(conn, incarnation_id)
         i = inc.incarnation_id
         version, digest = current_version(conn, i)
         derived = replayed(conn, inc)
         count = conn.execute(text("SELECT count(*) FROM incarnations")).scalar()
-        refusals = conn.execute(
-            text(
-                "SELECT coalesce(sum(count), 0) FROM ledger_events "
-                "WHERE incarnation_id = :i AND kind LIKE :k"
-            ),
-            {"i": i, "k": "%" + ev.REFUSED_SUFFIX},
-        ).scalar()
+        refusals, recent, busy = _refusal_counts(conn, i, since)
         last = conn.execute(
             text(
                 f"SELECT {EVENT_COLUMNS_SQL} FROM ledger_events WHERE incarnation_id = :i "
@@ -131,11 +204,12 @@ def collect_status(ledger: LedgerReader, incarnation_id: int | None = None) -> S
             {"i": i},
         ).first()
         latest = conn.execute(text("SELECT max(incarnation_id) FROM incarnations")).scalar()
+        is_latest = latest == i
         return StatusReport(
             path=str(ledger.path),
             incarnation_count=int(count or 0),
             incarnation=inc,
-            liveness=daemon_liveness(ledger.path, inc, latest=latest == i),
+            liveness=daemon_liveness(ledger.path, inc, latest=is_latest),
             version=version,
             digest=digest,
             reconstructible_from=reconstructible_from(conn, i),
@@ -143,9 +217,75 @@ def collect_status(ledger: LedgerReader, incarnation_id: int | None = None) -> S
             pending=derived.pending,
             attached=tuple(derived.attached),
             non_following_fetch=derived.non_following_fetch,
-            refusals=int(refusals or 0),
+            refusals=refusals,
             last_event=None if last is None else EventRow.from_row(last),
+            latest=is_latest,
+            recent_refusals=recent,
+            busy_begins=busy,
+            cordon=derived.cordon,
+            retired=current_retirement(ledger.path, i) if is_latest else None,
         )
+
+
+@dataclass(frozen=True)
+class UnreadableStatus(JsonShaped):
+    """A ledger among many that cannot be read, and why."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("state",)
+
+    path: str
+    problem: str
+
+    @property
+    def state(self) -> str:
+        return "unreadable"
+
+
+@dataclass(frozen=True)
+class StatusesReport(JsonShaped):
+    """``status`` of many ledgers: each one's report (or why it cannot be read) and the worst
+    state, whose exit code is the command's."""
+
+    json_properties: ClassVar[tuple[str, ...]] = ("state",)
+
+    ledgers: tuple[StatusReport | UnreadableStatus, ...]
+
+    @property
+    def unreadable(self) -> tuple[UnreadableStatus, ...]:
+        return tuple(item for item in self.ledgers if isinstance(item, UnreadableStatus))
+
+    @property
+    def state(self) -> str:
+        states = {item.state for item in self.ledgers}
+        return next((state for state in STATE_PRECEDENCE if state in states), "clean")
+
+    @property
+    def exit_code(self) -> int:
+        return STATE_EXIT_CODES[self.state]
+
+
+def collect_statuses(paths: Sequence[Path], incarnation_id: int | None = None) -> StatusesReport:
+    """Each ledger's status, or why it cannot be read; in the order given."""
+    found: list[StatusReport | UnreadableStatus] = []
+    for path in paths:
+        try:
+            with LedgerReader(path) as ledger:
+                found.append(collect_status(ledger, incarnation_id))
+        except LedgerError as exc:
+            found.append(UnreadableStatus(os.fspath(path), str(exc)))
+        except (SQLAlchemyError, ValueError) as exc:
+            found.append(
+                UnreadableStatus(
+                    os.fspath(path),
+                    f"the ledger {path} looks damaged ({type(exc).__name__}: {exc}); run "
+                    f"`layout-ledger verify {path}`",
+                )
+            )
+    unreadable = [item for item in found if isinstance(item, UnreadableStatus)]
+    if unreadable and len(unreadable) == len(found):
+        more = f" (and {len(unreadable) - 1} more unreadable)" if len(unreadable) > 1 else ""
+        raise LedgerFileError(unreadable[0].problem + more)
+    return StatusesReport(tuple(found))
 
 
 def _yes_no(flag: bool) -> str:
@@ -230,9 +370,55 @@ def render_status(report: StatusReport) -> list[str]:
         ("pending move", pending),
         ("attached", ", ".join(report.attached) if report.attached else "none"),
         ("non-following fetch", _yes_no(report.non_following_fetch)),
-        ("refusals", str(report.refusals)),
+        ("refusals", _refusals_text(report)),
+        *_optional_rows(report),
         ("last event", last_text),
         ("state", report.state),
     ]
     width = max(len(label) for label, _ in rows) + 1
     return [f"{label + ':':<{width}} {value}" for label, value in rows]
+
+
+def _refusals_text(report: StatusReport) -> str:
+    if not report.refusals:
+        return "0"
+    minutes = report.refusals_window_seconds // 60
+    recent = "none" if not report.recent_refusals else str(report.recent_refusals)
+    return f"{report.refusals} ({recent} in the last {minutes} minutes)"
+
+
+def _optional_rows(report: StatusReport) -> list[tuple[str, str]]:
+    """The rows shown only when they say something: busy begins, a cordon, a retirement."""
+    rows = []
+    if report.busy_begins:
+        rows.append(("busy begins", f"{report.busy_begins} (answered busy, not refused)"))
+    if report.cordon is not None:
+        rows.append(
+            (
+                "cordon",
+                f"since {report.cordon.since}: {report.cordon.reason} (every begin is busy "
+                f"until `layout-ledger uncordon`; a daemon restart clears it)",
+            )
+        )
+    if report.retired is not None:
+        step = report.retired
+        rows.append(("retired", f"since {step.at} by {step.by}: {step.reason}"))
+    return rows
+
+
+def render_statuses(report: StatusesReport) -> list[str]:
+    """One status block per ledger, a blank line between them, then the worst state."""
+    lines: list[str] = []
+    for item in report.ledgers:
+        if lines:
+            lines.append("")
+        if isinstance(item, UnreadableStatus):
+            lines.extend([f"ledger: {item.path}", "state:  unreadable (see the error below)"])
+        else:
+            lines.extend(render_status(item))
+    counts: dict[str, int] = {}
+    for item in report.ledgers:
+        counts[item.state] = counts.get(item.state, 0) + 1
+    summary = ", ".join(f"{count} {state}" for state, count in sorted(counts.items()))
+    lines.extend(["", f"{len(report.ledgers)} ledgers: {summary}; worst: {report.state}"])
+    return lines
