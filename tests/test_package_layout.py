@@ -274,3 +274,20 @@ def test_the_quiet_sglang_environment_is_written_in_one_place() -> None:
     for text, home in homes.items():
         assert text in home.read_text()
     assert written == []
+
+
+def test_no_tracked_file_points_outside_the_repository_for_its_contract() -> None:
+    """The repo's own docs carry everything: nothing names the project's shared folder."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    outside = ("../shared", "PROTOCOL.md", "DESIGN.md", "STYLE.md", "seed/000_")
+    hits = [
+        f"{name}: {word}"
+        for name in tracked
+        if name.endswith((".py", ".md", ".sh", ".toml", ".cfg", ".ini", ".yml"))
+        and name != "tests/test_package_layout.py"
+        for word in outside
+        if word in (ROOT / name).read_text(encoding="utf-8", errors="replace")
+    ]
+    assert not hits, hits
