@@ -428,3 +428,70 @@ def test_the_readmes_content_queries_name_a_slots_bytes_and_replicas_that_differ
         differ = conn.execute(queries["replicas-differ"]).fetchall()
     assert at_version == [(1, 6, expert_fingerprint(3, 6))]
     assert differ == [(1, 3, 0, 1, "1,9", 2), (1, 3, 1, 1, "1,9", 2)]
+
+
+def _racing(record, slots: Slots, race):
+    """A fingerprinter that reads the slots, then lets ``race`` run (a move begun, done and
+    committed, or begun only) before the check takes the record's lock: the check's
+    fingerprints are older than the record it compares them with."""
+    calls = []
+
+    def fingerprints_of(layers=None):
+        found = slots.fingerprints(layers)
+        if not calls:
+            calls.append(layers)
+            race()
+        return found
+
+    return fingerprints_of
+
+
+def _move_and_commit(record, slots: Slots, engine: str = "A", layer: int = 0) -> None:
+    if engine not in record.attached:
+        record.attach(engine)
+    record.begin(engine, record.version, [layer])
+    row = list(record.physical_to_logical_map()[layer])
+    row[0], row[1] = row[1], row[0]
+    slots.fill(layer, row)
+    record.commit(engine, {layer: row}, slots.fingerprints)
+
+
+def test_a_content_check_racing_a_commit_never_marks_a_clean_daemon_dirty(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    view = record.content_check(_racing(record, slots, lambda: _move_and_commit(record, slots)))
+    assert record.dirty is None and not view.dirty
+    assert view.state.version == 1 and view.recorded == view.current  # read again at version 1
+    _agree(ledger, record, "a check raced a commit")
+
+
+def test_a_content_check_racing_a_begin_never_marks_dirty_from_the_moving_layers(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    record.attach("A")
+
+    def begin_and_move() -> None:
+        record.begin("A", 0, [3])
+        slots.move(3, 0, 5)  # under way when the check compares
+
+    view = record.content_check(_racing(record, slots, begin_and_move))
+    assert record.dirty is None and not view.dirty
+    record.abort("A")
+    slots.move(3, 0, 0)
+    _agree(ledger, record, "a check raced a begin")
+
+
+def test_a_content_check_that_keeps_losing_races_compares_under_the_lock(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+
+    def always_racing(layers=None):
+        found = slots.fingerprints(layers)
+        if not record.lock._is_owned():  # type: ignore[attr-defined]
+            _move_and_commit(record, slots)
+        return found
+
+    view = record.content_check(always_racing)
+    assert record.dirty is None and not view.dirty and view.recorded == view.current
+    slots.move(5, 2, 0)  # and a real change is still found
+    assert record.content_check(slots.fingerprints).dirty
