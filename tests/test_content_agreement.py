@@ -7,6 +7,8 @@ the content check with a ``ContentView``; the decisions must name what stops a r
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from content_support import Slots, expert_fingerprint, half_and_half
 
@@ -155,3 +157,17 @@ def test_loaded_slots_that_do_not_hold_the_named_expert_are_named_with_what_they
         "rank 1 layer 2 slot 7: expected expert 7, holds expert 3",
     ]
     assert loaded_slot_problems(0, Slots(BASE, 0, 6).fingerprints(), BASE, known) == []
+
+
+def test_a_loaded_slot_whose_expected_expert_has_no_known_content_is_refused_not_skipped():
+    world = _world()
+    world[0].zero(1, 5)  # expert 5's only copy, never filled: no daemon recorded its content
+    views = [dataclasses.replace(_view(s), recorded=dict(s.fingerprints().layers)) for s in world]
+    contents = [RankContent(rank, ContentKind.CONTENT, view=v) for rank, v in enumerate(views)]
+    known = expected_contents(contents, BASE)
+    assert isinstance(known, ExpertContents) and known.fingerprint_of(1, 5) is None
+    problems = loaded_slot_problems(0, world[0].fingerprints(), BASE, known)
+    assert problems == [
+        "rank 0 layer 1 slot 5: expected expert 5, which no daemon recorded content for "
+        "(holds zero-filled)"
+    ]

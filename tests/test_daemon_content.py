@@ -384,3 +384,18 @@ def test_a_content_check_racing_a_begin_move_and_commit_leaves_the_daemon_clean(
         stand_in.exit()
     finally:
         handle.stop()
+
+
+def test_a_load_whose_only_copy_of_an_expert_is_negative_zeros_is_refused(tmp_path):
+    experts = _experts(tmp_path)
+    for tensor in experts.tensors:
+        tensor[1, 5] = -0.0  # expert 5's only copy in layer 1: bytes, but no weights at all
+    handle = _start(tmp_path)
+    try:
+        layout = _layout(handle)
+        assert layout.dirty, "a daemon whose only copy of an expert is empty started clean"
+        assert "layer 1: expert 5 in slot 5 is zero-filled" in (layout.dirty_reason or "")
+        content = client.content_check(handle.socket_path).content
+        assert content is not None and content.recorded[1][5] == "0" * 64
+    finally:
+        handle.stop()

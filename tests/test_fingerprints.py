@@ -193,3 +193,16 @@ def test_the_prepared_gpu_check_of_fingerprints_passes_on_the_cpu():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("ok    ") == 9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_slot_of_negative_zeros_is_zero_filled_like_a_slot_of_zeros(dtype):
+    tensors = [t.to(dtype) for t in _layer(6)]
+    for tensor in tensors:
+        tensor[2].zero_()
+        tensor[3] = -0.0  # every value -0.0: bytes not zero, and still no expert at all
+    hexes = fingerprint_hex(fingerprint_slots(tensors, SLOTS))
+    assert hexes[2] == hexes[3] == "0" * 64
+    assert all(h != "0" * 64 for i, h in enumerate(hexes) if i not in (2, 3))
+    tensors[0][3, 0] = 1.0  # one real value: no longer empty
+    assert fingerprint_hex(fingerprint_slots(tensors, SLOTS))[3] != "0" * 64

@@ -495,3 +495,27 @@ def test_a_content_check_that_keeps_losing_races_compares_under_the_lock(tmp_pat
     assert record.dirty is None and not view.dirty and view.recorded == view.current
     slots.move(5, 2, 0)  # and a real change is still found
     assert record.content_check(slots.fingerprints).dirty
+
+
+@pytest.mark.parametrize("copies", ["the only copy", "every copy"])
+def test_a_load_whose_zero_filled_slot_is_an_experts_only_or_every_copy_is_refused(
+    tmp_path, copies
+):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
+    slots = Slots(initial, 0, ALL)
+    if copies == "the only copy":
+        slots.zero(1, 5)  # expert 5 has one slot: nothing to compare it with
+        named = "layer 1: expert 5 in slot 5 is zero-filled"
+    else:
+        slots.zero(1, 2)
+        slots.zero(1, 10)  # both copies of expert 2: they agree, and hold nothing
+        named = "layer 1: expert 2 in slots 2, 10 is zero-filled"
+    record, _ = _start(ledger, slots)
+    reason = record.check_loaded_content()
+    assert reason is not None and named in reason, reason
+    assert record.dirty is not None and record.dirty.layers == (1,)
+    record.attach("A")
+    with pytest.raises(errors.LayoutDirty, match="zero-filled"):
+        record.fetch({"engine_id": "A", "version": 0, "digest": record.digest})
+    _agree(ledger, record, "an empty only copy at load")

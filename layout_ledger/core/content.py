@@ -235,6 +235,33 @@ def replica_disagreements(
     return found
 
 
+def empty_experts(
+    physical_to_logical_map: Sequence[Sequence[int]], local: LocalFingerprints
+) -> dict[int, str]:
+    """Per layer, the experts whose every local slot is zero-filled (+0.0 or -0.0 throughout:
+    a load that never filled them), in words; an expert some of whose slots hold bytes is a
+    replica disagreement instead (``replica_disagreements``). A zero-filled only copy agrees
+    with nothing, so only this finds it."""
+    found: dict[int, str] = {}
+    for layer in sorted(local.layers):
+        row = physical_to_logical_map[layer]
+        slots_of: dict[int, list[tuple[int, str]]] = {}
+        for slot, fingerprint in local.slots(layer):
+            slots_of.setdefault(int(row[slot]), []).append((slot, fingerprint))
+        texts = []
+        for expert, held in sorted(slots_of.items()):
+            if all(fingerprint == ZERO for _, fingerprint in held):
+                where = ", ".join(str(slot) for slot, _ in held)
+                which = "slot" if len(held) == 1 else "slots"
+                texts.append(
+                    f"expert {expert} in {which} {where} is zero-filled (no local copy holds "
+                    f"its weights)"
+                )
+        if texts:
+            found[layer] = f"layer {layer}: " + "; ".join(texts)
+    return found
+
+
 def _summary(fingerprint: str) -> str:
     return ZERO_FILLED if fingerprint == ZERO else f"{short(fingerprint)}..."
 

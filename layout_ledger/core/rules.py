@@ -22,6 +22,7 @@ from layout_ledger.core.content import (
     ExpertContents,
     LocalFingerprints,
     changed_slots,
+    empty_experts,
     fingerprints_from_wire,
     replica_disagreements,
     short,
@@ -335,8 +336,17 @@ def check_content_mark(state: StateView) -> None:
 def loaded_content_problems(
     physical_to_logical_map: Sequence[Sequence[int]], local: LocalFingerprints
 ) -> dict[int, str]:
-    """At load: slots the map gives one expert must hold the same bytes (per layer, in words)."""
-    return replica_disagreements(physical_to_logical_map, local)
+    """At load: slots the map gives one expert must hold the same bytes, and not zero bytes
+    (an all-zero or all -0.0 slot, wherever it is the expert's only copy here): per layer, in
+    words."""
+    differ = replica_disagreements(physical_to_logical_map, local)
+    empty = empty_experts(physical_to_logical_map, local)
+    found: dict[int, str] = {}
+    for layer in sorted({*differ, *empty}):
+        prefix = f"layer {layer}: "
+        texts = [of_layer.get(layer, "") for of_layer in (differ, empty)]
+        found[layer] = prefix + "; ".join(t.removeprefix(prefix) for t in texts if t)
+    return found
 
 
 def committed_content_problems(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ class _Tables:
     _lock: ClassVar[threading.Lock] = threading.Lock()
     _weights: ClassVar[dict[torch.device, torch.Tensor]] = {}
     _multipliers: ClassVar[dict[tuple[torch.device, int], torch.Tensor]] = {}
+    _negative_zeros: ClassVar[dict[Any, torch.Tensor]] = {}
 
     @classmethod
     def weights(cls, device: torch.device) -> torch.Tensor:
@@ -62,6 +63,29 @@ class _Tables:
                 table = torch.from_numpy(values.astype(np.float64)).to(device)
                 cls._weights[device] = table
             return table
+
+    @classmethod
+    def negative_zeros(cls, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``(PARTS,)``: steps 1-4 of one slot of ``tensors``' shapes whose every floating-point
+        value is -0.0 (its sign bit, the top bit of its last byte, set; other dtypes zero),
+        kept per device and shapes (step 5)."""
+        device = tensors[0].device
+        key = (device, tuple((t.dtype, tuple(t.shape[1:])) for t in tensors))
+        with cls._lock:
+            found = cls._negative_zeros.get(key)
+        if found is not None:
+            return found
+        slots = []
+        for tensor in tensors:
+            one = torch.zeros((1, *tensor.shape[1:]), dtype=tensor.dtype, device=device)
+            if tensor.dtype.is_floating_point and one.numel():
+                raw = one.view(torch.uint8).view(-1, tensor.element_size())
+                raw[:, -1] = 0x80  # little-endian, as torch is on every device it runs on
+            slots.append(one)
+        found = _part_values(slots, 1)[0]
+        with cls._lock:
+            cls._negative_zeros[key] = found
+        return found
 
     @classmethod
     def multipliers(cls, device: torch.device, lane: int, count: int) -> torch.Tensor:
@@ -176,20 +200,32 @@ def fingerprint_slots(tensors: list[torch.Tensor], num_slots: int) -> torch.Tens
        ``sum_c (S_c mod P_q) * M_q[c] mod P_q``, ``M_q`` fixed tables in ``[1, P_q)``, in int64
        without overflow. The part's fingerprint is ``lane_0 * 2**31 + lane_1`` (below
        ``2**62``); ``fingerprint_hex`` writes the four parts as 16 hex digits each, 64 in all.
+    5. *Empty parts*: a part whose value is that of the same part of a slot in which every
+       floating-point value is -0.0 (the sign bit alone set; integer tensors 0) is 0, as a part of
+       zero bytes is. So a never-filled slot is 0 in every part whether it holds +0.0 or -0.0.
 
     Why it tells the cases apart: a slot that holds another expert differs in (nearly) every part; a
     slot half overwritten with another expert's bytes keeps the parts that were not touched and
     changes the others, so a reader that knows every expert's parts sees "parts 0-1 of expert X,
-    parts 2-3 of expert Y" (``layout_ledger.core.content``); a zero-filled slot gives 0 in every
-    part, which no real expert does. Any single changed word changes its part (``T_j`` is odd and
-    below both primes); two different random contents collide in a part with probability about
-    ``2**-62``. It is a check against accidents, not against an adversary.
+    parts 2-3 of expert Y" (``layout_ledger.core.content``); a zero-filled slot (+0.0 or -0.0
+    throughout) gives 0 in every part, which no real expert does. Any single changed word changes
+    its part (``T_j`` is odd and below both primes); two different random contents collide in a
+    part with probability about ``2**-62``. It is a check against accidents, not against an
+    adversary.
     """
     if not tensors:
         raise ValueError("a layer needs at least one routed-expert tensor to fingerprint")
     devices = {tensor.device for tensor in tensors}
     if len(devices) != 1:
         raise ValueError(f"a layer's routed-expert tensors are on several devices: {devices}")
+    with torch.no_grad():
+        values = _part_values(tensors, num_slots)
+        empty = _Tables.negative_zeros(tensors)
+        return torch.where(values == empty, torch.zeros_like(values), values)
+
+
+def _part_values(tensors: Sequence[torch.Tensor], num_slots: int) -> torch.Tensor:
+    """Steps 1-4: ``(num_slots, PARTS)`` int64."""
     with torch.no_grad():
         words = [_slot_words(tensor, num_slots) for tensor in tensors]
         largest = max(min(_BUDGET // 8, w.numel()) for w in words)

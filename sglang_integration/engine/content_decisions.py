@@ -1,8 +1,9 @@
 """The engine ranks' pure decisions about slot content: expected contents, repairs, load checks.
 
-Like ``agreement``, every function here turns all-gathered values into the same result on every
-rank (no I/O, no torch). At startup each rank asks its daemon for its content
-(``expert_layout_content_check``) and describes the answer as a ``RankContent``; then:
+Like the layout decisions of ``layout_ledger.core.startup_verdict``, every function here turns
+all-gathered values into the same result on every rank (no I/O, no torch). At startup each rank
+asks its daemon for its content (``expert_layout_content_check``) and describes the answer as a
+``RankContent``; then:
 
 - ``expected_contents``: every daemon recorded its slots' fingerprints at the version the
   engine adopts, so every rank learns each logical expert's fingerprint per layer, from all of
@@ -15,7 +16,8 @@ rank (no I/O, no torch). At startup each rank asks its daemon for its content
   logical expert in at least one slot of each layer): then a ``RepairPlan``, else the startup
   failure, naming the slots whose content is unknown or partial.
 - ``loaded_slot_problems``: after the weights are loaded, each rank's own slots must hold the
-  experts the adopted map names.
+  experts the adopted map names; a slot whose expected expert no daemon recorded content for
+  (every copy of it was zero-filled at their load) is refused, never skipped.
 """
 
 from __future__ import annotations
@@ -249,9 +251,15 @@ def loaded_slot_problems(
         for slot, fingerprint in local.slots(layer):
             named = int(the_map[layer][slot])
             expected = known.fingerprint_of(layer, named)
-            if expected is None or expected == fingerprint:
+            if expected == fingerprint:
                 continue
             held = known.identify(layer, fingerprint)
+            if expected is None:  # every copy was empty at the daemons' load: nothing to match
+                problems.append(
+                    f"rank {rank} layer {layer} slot {slot}: expected expert {named}, which no "
+                    f"daemon recorded content for (holds {held.text})"
+                )
+                continue
             problems.append(
                 f"rank {rank} layer {layer} slot {slot}: expected expert {named}, holds {held.text}"
             )
