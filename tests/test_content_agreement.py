@@ -171,3 +171,15 @@ def test_a_loaded_slot_whose_expected_expert_has_no_known_content_is_refused_not
         "rank 0 layer 1 slot 5: expected expert 5, which no daemon recorded content for "
         "(holds zero-filled)"
     ]
+
+
+def test_a_repair_plan_carries_each_named_experts_fingerprint_to_the_daemon_that_never_held_it():
+    world = _world()
+    world[0].move(0, 1, 7)
+    world[1].move(0, 7, 1)  # layer 0: expert 7 (rank 1's) into rank 0's slot 1, and back
+    plan = plan_repair(_findings(), _contents(world), FAILED, SHAPE)
+    assert isinstance(plan, RepairPlan)
+    assert plan.expected[0][0][7] == expert_fingerprint(0, 7)
+    assert plan.expected[1][0][1] == expert_fingerprint(0, 1)
+    assert sorted(plan.expected[0][0]) == sorted(set(plan.rows[0][:6]))  # its own slots only
+    assert sorted(plan.expected[0]) == [0, 1]

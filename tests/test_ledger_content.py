@@ -519,3 +519,129 @@ def test_a_load_whose_zero_filled_slot_is_an_experts_only_or_every_copy_is_refus
     with pytest.raises(errors.LayoutDirty, match="zero-filled"):
         record.fetch({"engine_id": "A", "version": 0, "digest": record.digest})
     _agree(ledger, record, "an empty only copy at load")
+
+
+# --- forged repairs: what the daemon checks itself -------------------------------------------
+
+
+def _two_rank_dirty(tmp_path):
+    """EP rank 0 of 2 (slots 0-5) left mid-move of layers (0, 2), then B attached to repair."""
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger, first_slot=0, count=6)
+    record.attach("A")
+    record.begin("A", 0, [0, 2])
+    record.detach("A")
+    record.attach("B")
+    return ledger, record, slots
+
+
+def _repair_prints(slots: Slots, layers=(0, 2)) -> dict:
+    return {layer: list(slots.held[layer]) for layer in layers}
+
+
+def _refused_changing_nothing(ledger, record, message, *request) -> None:
+    before = table_dump(ledger.path)
+    with pytest.raises(errors.RequestRefused, match=message):
+        *positional, carried = request if len(request) == 5 else (*request, None)
+        record.repair(*positional, expected_fingerprints=carried)
+    assert table_dump(ledger.path)["versions"] == before["versions"]
+    assert record.dirty is not None and record.version == 0
+
+
+def test_a_repair_naming_an_expert_the_daemon_never_held_needs_its_carried_fingerprint(tmp_path):
+    ledger, record, slots = _two_rank_dirty(tmp_path)
+    initial = record.physical_to_logical_map()
+    slots.move(0, 0, 6)  # expert 6 (held only by rank 1) moved into slot 0
+    row0 = list(initial[0])
+    row0[0], row0[6] = 6, 0
+    rows = {0: row0, 2: list(initial[2])}
+    _refused_changing_nothing(
+        ledger,
+        record,
+        "no fingerprint of expert 6 .*expected_fingerprints",
+        "B",
+        rows,
+        _repair_prints(slots),
+        slots.fingerprints,
+    )
+    forged = {0: {6: expert_fingerprint(0, 7)}}  # another expert's content, named expert 6
+    _refused_changing_nothing(
+        ledger,
+        record,
+        "layer 0 slot 0 .*expert 6.*parts 0-3 differ",
+        "B",
+        rows,
+        _repair_prints(slots),
+        slots.fingerprints,
+        forged,
+    )
+    carried = {0: {6: expert_fingerprint(0, 6)}}
+    version, _ = record.repair(
+        "B", rows, _repair_prints(slots), slots.fingerprints, expected_fingerprints=carried
+    )
+    assert version == 1 and record.dirty is None
+    assert record.known.fingerprint_of(0, 6) == expert_fingerprint(0, 6)
+    _agree(ledger, record, "repaired with a carried fingerprint")
+
+
+def test_a_repair_of_a_partial_slot_is_refused_whatever_expert_it_names(tmp_path):
+    ledger, record, slots = _two_rank_dirty(tmp_path)
+    initial = record.physical_to_logical_map()
+    slots.put(0, 0, half_and_half(0, 0, 2))  # parts 0-1 of expert 0, parts 2-3 of expert 2
+    row0 = list(initial[0])
+    row0[0], row0[6] = 6, 0
+    carried = {0: {6: half_and_half(0, 0, 2)}}  # a carried "fingerprint" that is a part mix
+    _refused_changing_nothing(
+        ledger,
+        record,
+        "layer 0 slot 0 holds partial: parts 0-1 of expert 0, parts 2-3 of expert 2",
+        "B",
+        {0: row0, 2: list(initial[2])},
+        _repair_prints(slots),
+        slots.fingerprints,
+        carried,
+    )
+    _agree(ledger, record, "a partial slot refused")
+
+
+def test_a_repair_whose_row_leaves_an_expert_without_a_slot_is_refused(tmp_path):
+    ledger, record, slots = _two_rank_dirty(tmp_path)
+    initial = record.physical_to_logical_map()
+    row0 = list(initial[0])
+    row0[6] = 7  # rank 1's slot 6 (expert 6's only copy) named expert 7: no slot holds expert 6
+    _refused_changing_nothing(
+        ledger,
+        record,
+        "row of layer 0 leaves experts \\[6\\] without a slot",
+        "B",
+        {0: row0, 2: list(initial[2])},
+        _repair_prints(slots),
+        slots.fingerprints,
+    )
+
+
+@pytest.mark.parametrize(
+    "shape",
+    ["a float layer key", "a tuple row", "a tuple of fingerprints", "a float expert key"],
+)
+def test_a_repair_in_a_shape_the_protocol_does_not_name_is_refused(tmp_path, shape):
+    ledger, record, slots = _two_rank_dirty(tmp_path)
+    initial = record.physical_to_logical_map()
+    rows: dict = {0: list(initial[0]), 2: list(initial[2])}
+    prints: dict = _repair_prints(slots)
+    carried: dict | None = None
+    if shape == "a float layer key":
+        rows = {0.0: rows[0], 2: rows[2]}
+        message = "rows key 0.0 \\(float\\) is not an int layer"
+    elif shape == "a tuple row":
+        rows[2] = tuple(rows[2])
+        message = "row of layer 2 must be a list of ints, got tuple"
+    elif shape == "a tuple of fingerprints":
+        prints[2] = tuple(prints[2])
+        message = "fingerprints of layer 2 must be a list"
+    else:
+        carried = {0: {6.0: expert_fingerprint(0, 6)}}
+        message = "key 6.0 is not a logical expert id"
+    _refused_changing_nothing(
+        ledger, record, message, "B", rows, prints, slots.fingerprints, carried
+    )

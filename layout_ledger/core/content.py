@@ -84,6 +84,9 @@ def fingerprints_from_wire(
         raise InvalidRequest(
             f"fingerprints must be a dict {{layer: [fingerprint, ...]}}, got {type(raw).__name__}"
         )
+    for key in raw:
+        if type(key) is not int:
+            raise InvalidRequest(f"fingerprints key {key!r} is not an int layer")
     if set(raw) != set(layers):
         shown = sorted(raw, key=str)
         raise InvalidRequest(
@@ -92,7 +95,7 @@ def fingerprints_from_wire(
     checked: dict[int, tuple[str, ...]] = {}
     for layer in layers:
         values = raw[layer]
-        if not isinstance(values, (list, tuple)) or len(values) != num_slots:
+        if not isinstance(values, list) or len(values) != num_slots:
             raise InvalidRequest(
                 f"fingerprints of layer {layer} must be a list of this daemon's {num_slots} "
                 f"local slots' fingerprints"
@@ -105,6 +108,60 @@ def fingerprints_from_wire(
                 )
         checked[layer] = tuple(values)
     return LocalFingerprints(first_slot, checked)
+
+
+def expected_fingerprints_from_wire(
+    raw: Any, layers: Sequence[int], num_logical_experts: int
+) -> dict[int, dict[int, str]]:
+    """A repair's ``expected_fingerprints``: ``{layer: {expert: fingerprint}}`` (None: none),
+    layers among ``layers``, experts int logical ids: each expert's whole-slot fingerprint as
+    the daemon that holds it recorded it (the engine's all-gather knows every daemon's)."""
+    if raw is None:
+        return {}
+    shape = "a dict {layer: {expert: fingerprint}}"
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest(f"expected_fingerprints must be {shape}, got {type(raw).__name__}")
+    checked: dict[int, dict[int, str]] = {}
+    for layer, experts in raw.items():
+        if type(layer) is not int or layer not in layers:
+            raise InvalidRequest(
+                f"expected_fingerprints key {layer!r} is not one of the repaired layers "
+                f"{list(layers)}"
+            )
+        if not isinstance(experts, Mapping) or len(experts) > num_logical_experts:
+            raise InvalidRequest(f"expected_fingerprints of layer {layer} must be {shape}")
+        of_layer: dict[int, str] = {}
+        for expert, value in experts.items():
+            if type(expert) is not int or not 0 <= expert < num_logical_experts:
+                raise InvalidRequest(
+                    f"expected_fingerprints of layer {layer}: key {expert!r} is not a logical "
+                    f"expert id below {num_logical_experts}"
+                )
+            if not is_fingerprint(value):
+                raise InvalidRequest(
+                    f"expected_fingerprints of layer {layer} expert {expert} is not "
+                    f"{FINGERPRINT_LENGTH} lowercase hex digits"
+                )
+            of_layer[expert] = value
+        checked[layer] = of_layer
+    return checked
+
+
+def differing_parts(first: str, second: str) -> str:
+    """Which parts of two fingerprints differ: ``parts 0-3``, ``part 2``, ``parts 0-1, 3``."""
+    indexes = [
+        index
+        for index, (a, b) in enumerate(zip(parts_of(first), parts_of(second), strict=True))
+        if a != b
+    ]
+    runs: list[list[int]] = []
+    for index in indexes:
+        if runs and runs[-1][-1] == index - 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
+    return ("part " if indexes and len(indexes) == 1 else "parts ") + text
 
 
 # --- what a slot holds ---------------------------------------------------------------------------

@@ -509,10 +509,19 @@ class LayoutRecord:
         return ContentState(self.state(), recorded, current)
 
     def repair(
-        self, engine_id: Any, rows: Any, fingerprints: Any, fingerprints_of: Fingerprinter | None
+        self,
+        engine_id: Any,
+        rows: Any,
+        fingerprints: Any,
+        fingerprints_of: Fingerprinter | None,
+        *,
+        expected_fingerprints: Any = None,
     ) -> tuple[int, str]:
         """Record the layout the dirty move's layers hold (checked against this daemon's own
-        fingerprints now, ``fingerprints_of``) as a new version, and clear the dirty mark."""
+        fingerprints now, ``fingerprints_of``) as a new version, and clear the dirty mark.
+
+        ``expected_fingerprints`` (the request's, optional): ``{layer: {expert: fingerprint}}``
+        of the experts the rows name that this daemon never held (``rules.check_repair``)."""
         with self._lock:  # the engine id first: an id refused alone costs no fingerprinting
             try:
                 valid_id = self._engine_ids(engine_id)
@@ -527,7 +536,12 @@ class LayoutRecord:
                 content = rules.DaemonContent(self.content, current, self.known)
             try:
                 move, valid_rows, claimed = rules.check_repair(
-                    self, valid_id, rows, fingerprints, content
+                    self,
+                    valid_id,
+                    rows,
+                    fingerprints,
+                    content,
+                    expected_fingerprints=expected_fingerprints,
                 )
             except RequestRefused as exc:
                 self._refuse("repair", engine_id, exc)

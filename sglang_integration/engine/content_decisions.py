@@ -22,6 +22,7 @@ asks its daemon for its content (``expert_layout_content_check``) and describes 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,6 +116,9 @@ class RepairPlan:
     rows: dict[int, list[int]]
     physical_to_logical_map: Map  # the whole map after the repair
     fingerprints: dict[int, dict[int, list[str]]]  # rank -> layer -> its local slots
+    # rank -> layer -> expert -> fingerprint: each expert the rows name in the rank's local
+    # slots, as the daemon that holds it recorded it (the repair's expected_fingerprints)
+    expected: dict[int, dict[int, dict[int, str]]] = dataclasses.field(default_factory=dict)
 
     @property
     def digest(self) -> str:
@@ -162,7 +166,25 @@ def plan_repair(
         for rank, view in views
     }
     mover = next((v.dirty_move.engine_id for _, v in views if v.dirty_move is not None), "")
-    return RepairPlan(base_version, layers, mover, derived, new_map, prints)
+    expected = {rank: _named_fingerprints(view, derived, known) for rank, view in views}
+    return RepairPlan(base_version, layers, mover, derived, new_map, prints, expected)
+
+
+def _named_fingerprints(
+    view: ContentView, rows: dict[int, list[int]], known: ExpertContents
+) -> dict[int, dict[int, str]]:
+    """Per repaired layer, the fingerprint of each expert ``rows`` names in ``view``'s slots."""
+    found: dict[int, dict[int, str]] = {}
+    for layer, row in rows.items():
+        if layer not in view.current:
+            continue
+        of_layer: dict[int, str] = {}
+        for slot, _ in LocalFingerprints(view.first_slot, view.current).slots(layer):
+            fingerprint = known.fingerprint_of(layer, row[slot])
+            if fingerprint is not None:
+                of_layer[row[slot]] = fingerprint
+        found[layer] = of_layer
+    return found
 
 
 def _no_repair(failure: FailStartup, why: str) -> FailStartup:
