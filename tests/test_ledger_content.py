@@ -645,3 +645,50 @@ def test_a_repair_in_a_shape_the_protocol_does_not_name_is_refused(tmp_path, sha
     _refused_changing_nothing(
         ledger, record, message, "B", rows, prints, slots.fingerprints, carried
     )
+
+
+# --- tied experts: identical bytes are the expected content -------------------------------------
+
+
+def _tied_slots(first_slot: int = 0, count: int = ALL) -> Slots:
+    """Layer 3's experts 4 and 5 share their bytes (a checkpoint that shares tensors)."""
+    initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
+    slots = Slots(initial, first_slot, count)
+    for index, expert in enumerate(initial[3][first_slot : first_slot + count]):
+        if expert == 5:
+            slots.put(3, first_slot + index, expert_fingerprint(3, 4))
+    return slots
+
+
+def test_tied_experts_load_clean_and_are_known_as_tied(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, _ = _start(ledger, _tied_slots())
+    assert record.check_loaded_content() is None and record.dirty is None
+    assert record.known.conflicts == []
+    assert record.known.tied() == {3: [(4, 5)]}
+    assert record.known.identify(3, expert_fingerprint(3, 4)).text == "experts 4/5 (tied)"
+
+
+def test_a_commit_swapping_tied_experts_slots_keeps_the_daemon_clean(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger, _tied_slots())
+    record.attach("A")
+    record.begin("A", 0, [3])
+    row = list(record.physical_to_logical_map()[3])
+    row[4], row[5] = 5, 4  # the bytes are the same either way: nothing to move
+    record.commit("A", {3: row}, slots.fingerprints)
+    assert record.dirty is None, record.dirty
+    assert not record.content_check(slots.fingerprints).dirty
+    _agree(ledger, record, "tied experts swapped")
+
+
+def test_status_shows_the_tied_experts_the_load_recorded(tmp_path, capsys):
+    from cli_ledgers import run_cli
+
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    _start(ledger, _tied_slots())
+    ledger.close()
+    _, out, _ = run_cli(capsys, "status", str(ledger.path))
+    assert "tied experts:" in out and "layer 3: 4/5 (the same bytes" in out, out
+    _, out, _ = run_cli(capsys, "status", str(ledger.path), "--json")
+    assert json.loads(out)["tied_experts"] == {"3": [[4, 5]]}

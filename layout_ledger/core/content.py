@@ -169,26 +169,35 @@ def differing_parts(first: str, second: str) -> str:
 
 @dataclass(frozen=True)
 class Identified:
-    """What a fingerprint says a slot holds: a whole known expert, or ``text`` only."""
+    """What a fingerprint says a slot holds: whole known experts (one, or several tied: the
+    same bytes), or ``text`` only."""
 
     expert: int | None
     text: str
+    experts: tuple[int, ...] = ()
 
     @property
     def whole_expert(self) -> bool:
-        return self.expert is not None
+        return bool(self.experts)
+
+    def is_expert(self, expert: int) -> bool:
+        """The slot holds ``expert``'s bytes (alone, or tied with others)."""
+        return expert in self.experts
 
 
 class ExpertContents:
     """Per layer, the fingerprint of each logical expert, learned from recorded slots.
 
-    A fingerprint recorded for two experts, or two fingerprints for one expert, is a conflict
-    (``conflicts``): the recorded slots cannot say which is right.
+    Two fingerprints for one expert are a conflict (``conflicts``): the recorded slots cannot
+    say which is right. One fingerprint for several experts is not: they are *tied* (a pruned,
+    merged or randomly initialised model, a checkpoint that shares tensors), their bytes are
+    the same, so a slot holding them holds each of them (``tied``). Checks compare bytes: content
+    equal to the expected expert's content is the expected content.
     """
 
     def __init__(self) -> None:
         self._of_expert: dict[int, dict[int, str]] = {}
-        self._of_fingerprint: dict[int, dict[str, int]] = {}
+        self._of_fingerprint: dict[int, dict[str, list[int]]] = {}
         self.conflicts: list[str] = []
 
     def learn(self, layer: int, expert: int, fingerprint: str, where: str) -> None:
@@ -203,16 +212,11 @@ class ExpertContents:
                 f"({short(known)}..., and {short(fingerprint)}... at {where})"
             )
             return
-        holders = self._of_fingerprint.setdefault(layer, {})
-        other = holders.get(fingerprint)
-        if other is not None and other != expert:
-            self.conflicts.append(
-                f"layer {layer}: experts {other} and {expert} were recorded with the same "
-                f"content {short(fingerprint)}... (at {where}), so they cannot be told apart"
-            )
-            return
         experts[expert] = fingerprint
-        holders[fingerprint] = expert
+        holders = self._of_fingerprint.setdefault(layer, {}).setdefault(fingerprint, [])
+        if expert not in holders:
+            holders.append(expert)
+            holders.sort()
 
     def learn_slots(self, layer: int, row: Sequence[int], local: LocalFingerprints) -> None:
         """Learn from ``layer``'s local slots: the expert ``row`` (its map row) names in each,
@@ -224,13 +228,26 @@ class ExpertContents:
         """The fingerprint learned for ``expert`` of ``layer`` (None: never learned)."""
         return self._of_expert.get(layer, {}).get(expert)
 
+    def tied(self) -> dict[int, list[tuple[int, ...]]]:
+        """Per layer (only those with any), the groups of experts learned with the same bytes."""
+        found: dict[int, list[tuple[int, ...]]] = {}
+        for layer, holders in sorted(self._of_fingerprint.items()):
+            groups = sorted(tuple(experts) for experts in holders.values() if len(experts) > 1)
+            if groups:
+                found[layer] = groups
+        return found
+
     def identify(self, layer: int, fingerprint: str) -> Identified:
         """What ``fingerprint`` holds, as far as this layer's known experts tell."""
-        holders = self._of_fingerprint.get(layer, {})
-        if fingerprint in holders and fingerprint != ZERO:
-            return Identified(holders[fingerprint], f"expert {holders[fingerprint]}")
         if fingerprint == ZERO:
             return Identified(None, ZERO_FILLED)
+        holders = self._of_fingerprint.get(layer, {}).get(fingerprint)
+        if holders:
+            experts = tuple(holders)
+            if len(experts) == 1:
+                return Identified(experts[0], f"expert {experts[0]}", experts)
+            names = "/".join(str(expert) for expert in experts)
+            return Identified(None, f"experts {names} (tied)", experts)
         owners = [
             self._part_owner(layer, index, part) for index, part in enumerate(parts_of(fingerprint))
         ]

@@ -366,7 +366,7 @@ def committed_content_problems(
             named = int(physical_to_logical_map[layer][slot])
             held = known.identify(layer, fingerprint)
             expected = known.fingerprint_of(layer, named)
-            wrong_expert = held.whole_expert and held.expert != named
+            wrong_expert = held.whole_expert and not held.is_expert(named)
             if fingerprint == ZERO or wrong_expert or (expected not in (None, fingerprint)):
                 texts.append(f"slot {slot} holds {held.text}, not expert {named}")
         if texts:
@@ -397,7 +397,7 @@ def _repaired_layer_problems(
         brought = carried.get(named)
         if fingerprint == ZERO or (not held.whole_expert and held.text != UNKNOWN):
             problems.append(f"{where} holds {held.text}, not a whole expert")
-        elif held.whole_expert and held.expert != named:
+        elif held.whole_expert and not held.is_expert(named):
             problems.append(f"{where} holds {held.text}, not expert {named}")
         elif own is not None and brought is not None and brought != own:
             problems.append(

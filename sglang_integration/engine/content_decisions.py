@@ -225,7 +225,7 @@ def _derive_rows(
         if all(layer not in view.current for _, view in views):
             rows[layer] = list(base_map[layer])  # no routed-expert tensors: no move changes it
             continue
-        row, layer_problems = _held_row(views, layer, len(base_map[layer]), known)
+        row, layer_problems = _held_row(views, layer, base_map[layer], known)
         problems += layer_problems
         if layer_problems:
             continue
@@ -240,9 +240,13 @@ def _derive_rows(
 
 
 def _held_row(
-    views: list[tuple[int, ContentView]], layer: int, num_slots: int, known: ExpertContents
+    views: list[tuple[int, ContentView]],
+    layer: int,
+    base_row: Sequence[int],
+    known: ExpertContents,
 ) -> tuple[list[int], list[str]]:
     """The experts one layer's slots hold, by every daemon's fingerprints, and the problems."""
+    num_slots = len(base_row)
     row: list[int | None] = [None] * num_slots
     problems: list[str] = []
     for rank, view in views:
@@ -251,10 +255,13 @@ def _held_row(
             continue
         for slot, fingerprint in LocalFingerprints(view.first_slot, view.current).slots(layer):
             held = known.identify(layer, fingerprint)
-            if held.expert is None:
+            if not held.whole_expert:
                 problems.append(f"rank {rank} layer {layer} slot {slot} holds {held.text}")
             elif slot < num_slots:
-                row[slot] = held.expert
+                # tied experts (the same bytes): the name the base map gave the slot, if it is
+                # one of them (bytes cannot tell them apart), else the first
+                named = base_row[slot] if slot < len(base_row) else None
+                row[slot] = named if named in held.experts else held.experts[0]
     uncovered = [slot for slot, value in enumerate(row) if value is None]
     if uncovered and not problems:
         problems.append(f"layer {layer} slots {uncovered} are on no daemon")
