@@ -1,6 +1,7 @@
 """What slot fingerprints cost, at DeepSeek-V3's per-GPU geometry, on CPU tensors.
 
-    .venv/bin/python scripts/bench_fingerprints.py [--repeats N] [--chunk] [--scale K]
+    .venv/bin/python scripts/bench_fingerprints.py [--repeats N] [--chunk] [--scale K] \
+        [--detection N]
 
 One MoE layer of one EP rank of DeepSeek-V3 at EP 8: 288 physical slots (256 routed experts and
 32 redundant) / 8 = 36 local slots, each ``w13`` [2 * 2048, 7168] and ``w2`` [7168, 2048] in bf16
@@ -11,6 +12,13 @@ measured next to a memory copy of the same tensors (``dst.copy_(src)``) in the s
 cost of one all-layer chunk (58 MoE layers) is 58 times the per-layer cost; ``--chunk``
 measures it too, 58 calls over the same layer's tensors (3.17 GB each time, far beyond any
 cache). ``--scale K`` divides the hidden and intermediate sizes by K (a quick run).
+
+The definition in force (``DISTINCT``: 2048-word chunks, no weight repeated within a chunk) is
+measured side by side with the one before it (``FIRST``: 4096-word chunks, 512 distinct weights)
+on the same tensors in the same run, alternating, and their ratio printed. ``--detection N``
+then swaps two different words of a random slot N times, within one chunk and between two chunks
+of a part, and counts the swaps each definition misses (the definition before misses a swap
+within a chunk whose words share a weight: about 1 in 512).
 
 The GPU figure is computed from the bytes the fingerprint moves, not measured (no GPU here):
 per 4-byte word it reads the word, writes it as a float64 and reads that back for the
@@ -30,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sglang_integration.content import fingerprints as fp
 from sglang_integration.content.fingerprints import fingerprint_slots
 
 MOE_LAYERS = 58
@@ -47,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="per-layer runs (median)")
     parser.add_argument("--chunk", action="store_true", help="measure the 58-layer chunk too")
     parser.add_argument("--scale", type=int, default=1, help="divide the sizes by this")
+    parser.add_argument(
+        "--detection", type=int, default=2000, metavar="N", help="random swaps to count (0: none)"
+    )
     return parser.parse_args(argv)
 
 
@@ -90,12 +102,18 @@ def main(argv: list[str] | None = None) -> int:
         f"w13 {list(tensors[0].shape)} + w2 {list(tensors[1].shape)} bf16 = "
         f"{layer_bytes / 1e9:.2f} GB per layer; CPU, {torch.get_num_threads()} threads"
     )
-    seconds = timed(fingerprint, args.repeats)
+
+    def fingerprint_first() -> None:
+        fingerprint_slots(tensors, LOCAL_SLOTS, definition=fp.FIRST)
+
+    seconds, first_seconds = timed_pair(fingerprint, fingerprint_first, args.repeats)
     copy_seconds = timed(copy, args.repeats)
     print(f"\n(a) one layer, median of {args.repeats}")
     _row("fingerprint_slots", seconds, layer_bytes)
+    _row("the definition before (4096, 512 weights)", first_seconds, layer_bytes)
     _row("memory copy of the same tensors", copy_seconds, layer_bytes)
     print(f"    fingerprint / copy:  {seconds / copy_seconds:.2f}")
+    print(f"    fingerprint / the definition before:  {seconds / first_seconds:.2f} (target 1.2)")
     _chunk(
         args,
         seconds=seconds,
@@ -105,7 +123,68 @@ def main(argv: list[str] | None = None) -> int:
         copy=copy,
     )
     _gpu_estimate(layer_bytes)
+    if args.detection:
+        _detection(args.detection)
     return 0
+
+
+def timed_pair(
+    first: Callable[[], object], second: Callable[[], object], repeats: int
+) -> tuple[float, float]:
+    """Median seconds of each of two actions, run alternately, each first every other time
+    (the same load on both, and no advantage from the order)."""
+    first()
+    second()
+    runs: tuple[list[float], list[float]] = ([], [])
+    for repeat in range(repeats):
+        order = ((first, runs[0]), (second, runs[1]))
+        for action, found in order if repeat % 2 == 0 else order[::-1]:
+            started = time.perf_counter()
+            action()
+            found.append(time.perf_counter() - started)
+    return statistics.median(runs[0]), statistics.median(runs[1])
+
+
+def _detection(trials: int) -> None:
+    """Random swaps of two different int32 words, within a chunk and between two chunks of a
+    part (eight 4096-word spans per part, so both definitions have several chunks)."""
+    generator = torch.Generator().manual_seed(20)
+    span = 8 * fp.FIRST.chunk_words
+    base = torch.randint(-(2**31), 2**31 - 1, (fp.PARTS * span,), generator=generator)
+    base = base.to(torch.int32)
+    print(f"\n(d) {trials} random swaps of two different words in one part, each definition:")
+    for where in ("within a chunk", "between chunks"):
+        pairs = _pairs(base, trials, where, generator)
+        missed = {}
+        for definition in (fp.DISTINCT, fp.FIRST):
+            chunk = definition.chunk_words
+            kept = [(i, j) for i, j in pairs if (i // chunk == j // chunk) == (where[0] == "w")]
+            slots = base.repeat(len(kept) + 1, 1)
+            for n, (i, j) in enumerate(kept):
+                slots[n + 1, i], slots[n + 1, j] = base[j], base[i]
+            prints = fingerprint_slots([slots], slots.shape[0], definition=definition)
+            missed[definition.name] = (int((prints[1:] == prints[0]).all(dim=1).sum()), len(kept))
+        shown = "; ".join(f"{name}: {m} of {n} missed" for name, (m, n) in missed.items())
+        print(f"    {where:<16} {shown}")
+
+
+def _pairs(
+    base: torch.Tensor, trials: int, where: str, generator: torch.Generator
+) -> list[tuple[int, int]]:
+    span = base.shape[0] // fp.PARTS
+    chunk = fp.DISTINCT.chunk_words
+    pairs: list[tuple[int, int]] = []
+    while len(pairs) < trials:
+        i = int(torch.randint(0, span, (1,), generator=generator))
+        if where.startswith("within"):
+            j = i // chunk * chunk + int(torch.randint(0, chunk, (1,), generator=generator))
+        else:
+            j = int(torch.randint(0, span, (1,), generator=generator))
+            if j // fp.FIRST.chunk_words == i // fp.FIRST.chunk_words:
+                continue
+        if base[i] != base[j]:
+            pairs.append((i, j))
+    return pairs
 
 
 def _row(what: str, seconds: float, num_bytes: float) -> None:

@@ -165,14 +165,20 @@ def test_upgrade_brings_an_older_ledger_to_head_keeping_its_history(older_ledger
     after = dump(older_ledger)
     assert after.pop("alembic_version") == [(SCHEMA_HEAD,)]
     before.pop("alembic_version")
-    # Later revisions add columns to events (count, last_at, chain) and incarnations (where it
-    # ran, 0004: empty for the rows an older ledger holds): every row keeps its own.
+    # Later revisions add columns to events (count, last_at, chain), incarnations (where it
+    # ran, 0004: empty for the rows an older ledger holds) and versions (0007's fingerprints
+    # digest): every row keeps its own.
     width = len(before["events"][0])
     assert [row[:width] for row in after.pop("events")] == before.pop("events")
     width = len(before["incarnations"][0])
     incarnations = after.pop("incarnations")
     assert [row[:width] for row in incarnations] == before.pop("incarnations")
     assert all(value is None for row in incarnations for value in row[width:])
+    # 0007 adds versions.fingerprints_digest: NULL for the rows of older code.
+    width = len(before["versions"][0])
+    versions = after.pop("versions")
+    assert [row[:width] for row in versions] == before.pop("versions")
+    assert all(value is None for row in versions for value in row[width:])
     assert after == before
     assert run_cli(capsys, "status", str(older_ledger))[0] == exit_codes.DIRTY
     assert run_cli(capsys, "verify", str(older_ledger))[0] == exit_codes.OK

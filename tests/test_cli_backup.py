@@ -113,3 +113,18 @@ def test_backup_of_something_that_is_no_ledger_is_refused(tmp_path, capsys):
     assert err == f"layout-ledger backup: error: {text} is not an SQLite database\n"
     assert not (tmp_path / "b.sqlite").exists()
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+def test_backup_into_an_unwritable_directory_is_one_error_line_exit_1(tmp_path, capsys):
+    path = build("clean", tmp_path / "l.sqlite")
+    if os.geteuid() == 0:  # root writes into a mode-0500 directory: take one no one can write
+        into = "/sys/"
+    else:
+        locked = tmp_path / "read-only"
+        locked.mkdir()
+        locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
+        into = f"{locked}/"
+    code, out, err = run_cli(capsys, "backup", str(path), into)
+    assert (code, out) == (exit_codes.FAILED, "")
+    assert err.startswith(f"layout-ledger backup: error: cannot write the backup {into}l.sqlite")
+    assert err.count("\n") == 1 and "Traceback" not in err

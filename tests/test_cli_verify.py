@@ -35,9 +35,11 @@ def test_verify_of_a_clean_ledger_reports_each_check(tmp_path, capsys):
         "foreign_key_check: ok\n"
         "incarnation 1 version_chain: ok: versions 0..0 without gaps\n"
         "incarnation 1 digests: ok: digests of versions 0..0 recomputed from the rows match\n"
+        "incarnation 1 fingerprints: ok: no slot fingerprints recorded\n"
         "incarnation 1 events: ok: 4 events consistent\n"
         "incarnation 2 version_chain: ok: versions 0..3 without gaps\n"
         "incarnation 2 digests: ok: digests of versions 0..3 recomputed from the rows match\n"
+        "incarnation 2 fingerprints: ok: no slot fingerprints recorded\n"
         "incarnation 2 events: ok: 13 events consistent\n"
         f"chain: ok: 17 events chained, head {_chain_head(path)}\n"
         "verified: no inconsistency\n"
@@ -208,9 +210,11 @@ def test_verify_json_lists_every_check_and_the_first_inconsistency(tmp_path, cap
         ("foreign_key_check", None, True),
         ("version_chain", 1, True),
         ("digests", 1, True),
+        ("fingerprints", 1, True),
         ("events", 1, True),
         ("version_chain", 2, True),
         ("digests", 2, True),
+        ("fingerprints", 2, True),
         ("events", 2, False),
         ("chain", None, False),
     ]

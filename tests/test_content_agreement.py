@@ -7,6 +7,8 @@ the content check with a ``ContentView``; the decisions must name what stops a r
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from content_support import Slots, expert_fingerprint, half_and_half
 
@@ -130,13 +132,14 @@ def test_expected_contents_learns_every_expert_from_every_daemon_and_flags_confl
     view = contents[1].view
     assert view is not None
     recorded = dict(view.recorded)
-    recorded[2] = (expert_fingerprint(2, 5), *recorded[2][1:])  # rank 1 says slot 6 is expert 5
+    # rank 1's slot 10 (expert 2's replica) recorded with other bytes than rank 0's slot 2
+    recorded[2] = (*recorded[2][:4], expert_fingerprint(2, 7), *recorded[2][5:])
     contents[1] = RankContent(
         1, ContentKind.CONTENT, view=ContentView(**{**view.__dict__, "recorded": recorded})
     )
     conflict = expected_contents(contents, BASE)
     assert isinstance(conflict, FailStartup)
-    assert "layer 2: experts 5 and 6 were recorded with the same content" in conflict.reason
+    assert "layer 2: expert 2 was recorded with two contents" in conflict.reason
     missing = expected_contents(
         [contents[0], RankContent(1, ContentKind.NOT_RECORDED, "off")], BASE
     )
@@ -155,3 +158,44 @@ def test_loaded_slots_that_do_not_hold_the_named_expert_are_named_with_what_they
         "rank 1 layer 2 slot 7: expected expert 7, holds expert 3",
     ]
     assert loaded_slot_problems(0, Slots(BASE, 0, 6).fingerprints(), BASE, known) == []
+
+
+def test_a_loaded_slot_whose_expected_expert_has_no_known_content_is_refused_not_skipped():
+    world = _world()
+    world[0].zero(1, 5)  # expert 5's only copy, never filled: no daemon recorded its content
+    views = [dataclasses.replace(_view(s), recorded=dict(s.fingerprints().layers)) for s in world]
+    contents = [RankContent(rank, ContentKind.CONTENT, view=v) for rank, v in enumerate(views)]
+    known = expected_contents(contents, BASE)
+    assert isinstance(known, ExpertContents) and known.fingerprint_of(1, 5) is None
+    problems = loaded_slot_problems(0, world[0].fingerprints(), BASE, known)
+    assert problems == [
+        "rank 0 layer 1 slot 5: expected expert 5, which no daemon recorded content for "
+        "(holds zero-filled)"
+    ]
+
+
+def test_a_repair_plan_carries_each_named_experts_fingerprint_to_the_daemon_that_never_held_it():
+    world = _world()
+    world[0].move(0, 1, 7)
+    world[1].move(0, 7, 1)  # layer 0: expert 7 (rank 1's) into rank 0's slot 1, and back
+    plan = plan_repair(_findings(), _contents(world), FAILED, SHAPE)
+    assert isinstance(plan, RepairPlan)
+    assert plan.expected[0][0][7] == expert_fingerprint(0, 7)
+    assert plan.expected[1][0][1] == expert_fingerprint(0, 1)
+    assert sorted(plan.expected[0][0]) == sorted(set(plan.rows[0][:6]))  # its own slots only
+    assert sorted(plan.expected[0]) == [0, 1]
+
+
+def test_tied_experts_are_the_expected_content_not_a_conflict_at_engine_startup():
+    world = _world()
+    for slots in world:
+        for layer_slot, expert in enumerate(BASE[2]):
+            if expert == 5 and slots.first_slot <= layer_slot < slots.first_slot + 6:
+                slots.put(2, layer_slot, expert_fingerprint(2, 4))
+    views = [dataclasses.replace(_view(s), recorded=dict(s.fingerprints().layers)) for s in world]
+    contents = [RankContent(rank, ContentKind.CONTENT, view=v) for rank, v in enumerate(views)]
+    known = expected_contents(contents, BASE)
+    assert isinstance(known, ExpertContents), known
+    swapped = [list(row) for row in BASE]
+    swapped[2][4], swapped[2][5] = 5, 4  # a legitimate commit swapped the tied experts' slots
+    assert loaded_slot_problems(0, world[0].fingerprints(), swapped, known) == []

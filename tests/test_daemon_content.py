@@ -342,3 +342,60 @@ def test_the_daemon_load_hook_fingerprints_the_loaded_models_routed_expert_slots
         f"layer 2 slot 3: expert {named} by the record, holds expert {HOOK_INITIAL[2][0]}"
         in (result["second_dirty"])
     )
+
+
+def test_a_content_check_racing_a_begin_move_and_commit_leaves_the_daemon_clean(tmp_path):
+    """The daemon's gate (``--fingerprint-gate``) holds the check between its read of the slots
+    and its comparison while an engine begins, moves and commits: the check must compare its
+    fingerprints with the version they were read at, never the commit's."""
+    import threading
+    import time
+
+    experts = _experts(tmp_path)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    handle = _start(tmp_path, "--fingerprint-gate", str(gate))
+    try:
+        replies: list[Any] = []
+        checker = threading.Thread(
+            target=lambda: replies.append(client.content_check(handle.socket_path))
+        )
+        checker.start()
+        deadline = time.monotonic() + 30
+        while not (gate / "read-1").exists():
+            assert time.monotonic() < deadline, "the check never read the slots"
+            time.sleep(0.01)
+        stand_in = EngineStandIn.start(handle.socket_path, "engine-A")
+        assert stand_in.begin(0, [0]).ok
+        row = list(INITIAL[0])
+        row[0], row[1] = row[1], row[0]
+        _write(experts, 0, 0, row[0])
+        _write(experts, 0, 1, row[1])
+        assert stand_in.commit({0: row}).ok
+        for n in range(1, 5):
+            (gate / f"go-{n}").touch()
+        checker.join(60)
+        (reply,) = replies
+        assert reply.ok and reply.content is not None, reply
+        assert not reply.content.dirty, reply.content.dirty_reason
+        layout = _layout(handle)
+        assert (layout.dirty, layout.version) == (False, 1)
+        assert stand_in.begin(1, [2]).ok  # still clean: moves go on
+        stand_in.exit()
+    finally:
+        handle.stop()
+
+
+def test_a_load_whose_only_copy_of_an_expert_is_negative_zeros_is_refused(tmp_path):
+    experts = _experts(tmp_path)
+    for tensor in experts.tensors:
+        tensor[1, 5] = -0.0  # expert 5's only copy in layer 1: bytes, but no weights at all
+    handle = _start(tmp_path)
+    try:
+        layout = _layout(handle)
+        assert layout.dirty, "a daemon whose only copy of an expert is empty started clean"
+        assert "layer 1: expert 5 in slot 5 is zero-filled" in (layout.dirty_reason or "")
+        content = client.content_check(handle.socket_path).content
+        assert content is not None and content.recorded[1][5] == "0" * 64
+    finally:
+        handle.stop()

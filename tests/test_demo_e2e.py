@@ -121,13 +121,14 @@ def test_the_next_engine_repairs_daemons_left_mid_move_without_a_restart_every_s
 
 
 @pytest.mark.timeout(240)
-def test_a_half_written_slot_and_an_unfilled_replica_are_refused_naming_their_slots(
+def test_a_half_written_slot_an_unfilled_replica_and_an_empty_only_copy_are_refused(
     demo: tuple[DemoRun, Workspace],
 ) -> None:
     case = _case(demo[0], "Case 4 (b)")
     _assert_every_check_holds(case)
     assert any("holds partial: parts 0-1 of expert" in note for note in case.notes)
     assert any("slot 10 zero-filled" in note for note in case.notes)
+    assert any("expert 5 in slot 5 is zero-filled" in note for note in case.notes)
 
 
 @pytest.mark.timeout(240)

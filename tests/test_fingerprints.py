@@ -193,3 +193,61 @@ def test_the_prepared_gpu_check_of_fingerprints_passes_on_the_cpu():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("ok    ") == 9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_slot_of_negative_zeros_is_zero_filled_like_a_slot_of_zeros(dtype):
+    tensors = [t.to(dtype) for t in _layer(6)]
+    for tensor in tensors:
+        tensor[2].zero_()
+        tensor[3] = -0.0  # every value -0.0: bytes not zero, and still no expert at all
+    hexes = fingerprint_hex(fingerprint_slots(tensors, SLOTS))
+    assert hexes[2] == hexes[3] == "0" * 64
+    assert all(h != "0" * 64 for i, h in enumerate(hexes) if i not in (2, 3))
+    tensors[0][3, 0] = 1.0  # one real value: no longer empty
+    assert fingerprint_hex(fingerprint_slots(tensors, SLOTS))[3] != "0" * 64
+
+
+def _swapped(base: torch.Tensor, pairs: list[tuple[int, int]]) -> torch.Tensor:
+    """Slot 0: ``base``; slot ``n + 1``: ``base`` with words ``pairs[n]`` exchanged."""
+    slots = base.repeat(len(pairs) + 1, 1)
+    for n, (i, j) in enumerate(pairs):
+        slots[n + 1, i], slots[n + 1, j] = base[j], base[i]
+    return slots
+
+
+def _missed(slots: torch.Tensor, definition: fp.Definition | None = None) -> int:
+    """How many of slots 1.. have slot 0's fingerprint (the definition in force unless named)."""
+    if definition is None:
+        prints = fingerprint_slots([slots], slots.shape[0])
+    else:
+        prints = fingerprint_slots([slots], slots.shape[0], definition=definition)
+    return int((prints[1:] == prints[0]).all(dim=1).sum())
+
+
+def test_every_exchange_of_two_different_words_within_a_chunk_changes_the_fingerprint():
+    chunk = fp.CHUNK_WORDS
+    generator = torch.Generator().manual_seed(11)
+    base = torch.randint(-(2**31), 2**31 - 1, (fp.PARTS * chunk,), generator=generator)
+    base = base.to(torch.int32)  # one chunk per part
+    adjacent = [(i, i + 1) for i in range(chunk - 1)]  # every shift by one place in part 0
+    far = torch.randint(0, chunk, (2 * 2000,), generator=generator).view(-1, 2).tolist()
+    far = [(int(i), int(j)) for i, j in far if base[i] != base[j]]
+    assert _missed(_swapped(base, adjacent)) == 0
+    assert _missed(_swapped(base, far)) == 0
+    # the table before: weights repeated within a chunk, and the swap of two such words unseen
+    first = fp.FIRST.table()[:chunk].tolist()
+    i = next(i for i in range(chunk) if first[i] in first[i + 1 :])
+    j = first.index(first[i], i + 1)
+    assert _missed(_swapped(base, [(i, j)]), fp.FIRST) == 1
+    assert _missed(_swapped(base, [(i, j)])) == 0
+
+
+def test_exchanges_between_the_chunks_of_a_part_are_seen_in_random_trials():
+    chunk = fp.CHUNK_WORDS
+    generator = torch.Generator().manual_seed(12)
+    words = fp.PARTS * 8 * chunk  # eight chunks per part
+    base = torch.randint(-(2**31), 2**31 - 1, (words,), generator=generator).to(torch.int32)
+    picks = torch.randint(0, 8 * chunk, (1000, 2), generator=generator).tolist()
+    pairs = [(i, j) for i, j in picks if i // chunk != j // chunk and base[i] != base[j]]
+    assert len(pairs) > 800 and _missed(_swapped(base, pairs)) == 0

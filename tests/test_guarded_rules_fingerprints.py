@@ -1,6 +1,7 @@
 """A rule of the slot fingerprint (``sglang_integration.content.fingerprints``) that a plausible
-bug could break without any other test noticing: every entry of the weight table is odd and
-non-zero, so every word of a slot weighs in and any single changed word changes its part.
+bug could break without any other test noticing: the weight table is a permutation of 1..2048
+(no weight repeats within a chunk, none is zero), so every word of a slot weighs in, any single
+changed word changes its part, and so does any exchange of two different words of a chunk.
 
 The other fingerprint tests compare the computation with a Python evaluation of the definition
 that reads the same table, and change only the first few words of a slot; a table with a few
@@ -18,14 +19,15 @@ from sglang_integration.content.fingerprints import fingerprint_slots
 CPU = torch.device("cpu")
 
 
-def test_every_entry_of_the_weight_table_is_odd_and_non_zero_below_1024() -> None:
+def test_the_weight_table_is_a_permutation_of_1_to_a_chunk_and_keeps_every_sum_exact() -> None:
     table = fp._Tables.weights(CPU)
     assert table.dtype == torch.float64 and tuple(table.shape) == (fp.CHUNK_WORDS,)
     values = [int(value) for value in table.tolist()]
     assert all(float(value) == raw for value, raw in zip(values, table.tolist(), strict=True))
-    assert [index for index, value in enumerate(values) if value % 2 == 0 or value <= 0] == []
-    assert max(values) < 2**fp._WEIGHT_BITS
-    assert len(set(values)) > 256  # a table, not a constant (512 odd values exist)
+    assert sorted(values) == list(range(1, fp.CHUNK_WORDS + 1))  # no weight repeats, none zero
+    assert values != sorted(values)  # a fixed shuffle, not the positions themselves
+    assert 2**31 * sum(values) < 2**53  # every chunk sum of int32 words is exact in float64
+    assert all(value < min(fp._PRIMES) for value in values)
 
 
 def test_every_chunk_multiplier_is_non_zero_modulo_its_prime() -> None:

@@ -490,3 +490,44 @@ def test_a_wait_timeout_of_0_fails_the_start_at_once_naming_the_mover(
     )
     assert (clock.now, clock.sleeps) == (0.0, [])
     assert requests == [protocol.ATTACH]  # not one poll
+
+
+def test_a_daemon_refuses_a_forged_repair_of_an_expert_it_never_held_unless_its_print_is_carried(
+    tmp_path: Path,
+) -> None:
+    from sglang_integration.testing.shared_experts import expert_values
+
+    handle, experts = _daemon_of_rank_zero_of_two(tmp_path)
+    try:
+        mover = EngineStandIn.start(handle.socket_path, "engine-a")
+        assert mover.begin(0, [0]).ok
+        for index, tensor in enumerate(experts.tensors):  # expert 6 (rank 1's) into slot 0
+            tensor[0, 0] = expert_values(0, 6, index, tensor.shape[-1])
+        mover.kill()
+        deadline = time.monotonic() + 30
+        while not _layout(handle).dirty:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        content = client.content_check(handle.socket_path).content
+        assert content is not None
+        attachment = client.attach(handle.socket_path, "engine-b")
+        row = list(INITIAL[0])
+        row[0], row[6] = 6, 0
+        prints = {0: list(content.current[0])}
+        forged = client.repair(handle.socket_path, "engine-b", {0: row}, prints)
+        assert forged.outcome is Outcome.REFUSED
+        assert "no fingerprint of expert 6" in (forged.reason or ""), forged
+        wrong = {0: {6: content.recorded[0][1]}}  # expert 1's print, carried as expert 6's
+        refused = client.repair(
+            handle.socket_path, "engine-b", {0: row}, prints, expected_fingerprints=wrong
+        )
+        assert refused.outcome is Outcome.REFUSED and "parts 0-3 differ" in (refused.reason or "")
+        carried = {0: {6: content.current[0][0]}}  # as rank 1's daemon recorded expert 6
+        repaired = client.repair(
+            handle.socket_path, "engine-b", {0: row}, prints, expected_fingerprints=carried
+        )
+        assert repaired.ok and repaired.body["version"] == 1, repaired
+        assert not _layout(handle).dirty
+        attachment.close()
+    finally:
+        handle.stop()

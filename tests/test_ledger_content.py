@@ -428,3 +428,267 @@ def test_the_readmes_content_queries_name_a_slots_bytes_and_replicas_that_differ
         differ = conn.execute(queries["replicas-differ"]).fetchall()
     assert at_version == [(1, 6, expert_fingerprint(3, 6))]
     assert differ == [(1, 3, 0, 1, "1,9", 2), (1, 3, 1, 1, "1,9", 2)]
+
+
+def _racing(record, slots: Slots, race):
+    """A fingerprinter that reads the slots, then lets ``race`` run (a move begun, done and
+    committed, or begun only) before the check takes the record's lock: the check's
+    fingerprints are older than the record it compares them with."""
+    calls = []
+
+    def fingerprints_of(layers=None):
+        found = slots.fingerprints(layers)
+        if not calls:
+            calls.append(layers)
+            race()
+        return found
+
+    return fingerprints_of
+
+
+def _move_and_commit(record, slots: Slots, engine: str = "A", layer: int = 0) -> None:
+    if engine not in record.attached:
+        record.attach(engine)
+    record.begin(engine, record.version, [layer])
+    row = list(record.physical_to_logical_map()[layer])
+    row[0], row[1] = row[1], row[0]
+    slots.fill(layer, row)
+    record.commit(engine, {layer: row}, slots.fingerprints)
+
+
+def test_a_content_check_racing_a_commit_never_marks_a_clean_daemon_dirty(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    view = record.content_check(_racing(record, slots, lambda: _move_and_commit(record, slots)))
+    assert record.dirty is None and not view.dirty
+    assert view.state.version == 1 and view.recorded == view.current  # read again at version 1
+    _agree(ledger, record, "a check raced a commit")
+
+
+def test_a_content_check_racing_a_begin_never_marks_dirty_from_the_moving_layers(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    record.attach("A")
+
+    def begin_and_move() -> None:
+        record.begin("A", 0, [3])
+        slots.move(3, 0, 5)  # under way when the check compares
+
+    view = record.content_check(_racing(record, slots, begin_and_move))
+    assert record.dirty is None and not view.dirty
+    record.abort("A")
+    slots.move(3, 0, 0)
+    _agree(ledger, record, "a check raced a begin")
+
+
+def test_a_content_check_that_keeps_losing_races_compares_under_the_lock(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+
+    def always_racing(layers=None):
+        found = slots.fingerprints(layers)
+        if not record.lock._is_owned():  # type: ignore[attr-defined]
+            _move_and_commit(record, slots)
+        return found
+
+    view = record.content_check(always_racing)
+    assert record.dirty is None and not view.dirty and view.recorded == view.current
+    slots.move(5, 2, 0)  # and a real change is still found
+    assert record.content_check(slots.fingerprints).dirty
+
+
+@pytest.mark.parametrize("copies", ["the only copy", "every copy"])
+def test_a_load_whose_zero_filled_slot_is_an_experts_only_or_every_copy_is_refused(
+    tmp_path, copies
+):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
+    slots = Slots(initial, 0, ALL)
+    if copies == "the only copy":
+        slots.zero(1, 5)  # expert 5 has one slot: nothing to compare it with
+        named = "layer 1: expert 5 in slot 5 is zero-filled"
+    else:
+        slots.zero(1, 2)
+        slots.zero(1, 10)  # both copies of expert 2: they agree, and hold nothing
+        named = "layer 1: expert 2 in slots 2, 10 is zero-filled"
+    record, _ = _start(ledger, slots)
+    reason = record.check_loaded_content()
+    assert reason is not None and named in reason, reason
+    assert record.dirty is not None and record.dirty.layers == (1,)
+    record.attach("A")
+    with pytest.raises(errors.LayoutDirty, match="zero-filled"):
+        record.fetch({"engine_id": "A", "version": 0, "digest": record.digest})
+    _agree(ledger, record, "an empty only copy at load")
+
+
+# --- forged repairs: what the daemon checks itself -------------------------------------------
+
+
+def _two_rank_dirty(tmp_path):
+    """EP rank 0 of 2 (slots 0-5) left mid-move of layers (0, 2), then B attached to repair."""
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger, first_slot=0, count=6)
+    record.attach("A")
+    record.begin("A", 0, [0, 2])
+    record.detach("A")
+    record.attach("B")
+    return ledger, record, slots
+
+
+def _repair_prints(slots: Slots, layers=(0, 2)) -> dict:
+    return {layer: list(slots.held[layer]) for layer in layers}
+
+
+def _refused_changing_nothing(ledger, record, message, *request) -> None:
+    before = table_dump(ledger.path)
+    with pytest.raises(errors.RequestRefused, match=message):
+        *positional, carried = request if len(request) == 5 else (*request, None)
+        record.repair(*positional, expected_fingerprints=carried)
+    assert table_dump(ledger.path)["versions"] == before["versions"]
+    assert record.dirty is not None and record.version == 0
+
+
+def test_a_repair_naming_an_expert_the_daemon_never_held_needs_its_carried_fingerprint(tmp_path):
+    ledger, record, slots = _two_rank_dirty(tmp_path)
+    initial = record.physical_to_logical_map()
+    slots.move(0, 0, 6)  # expert 6 (held only by rank 1) moved into slot 0
+    row0 = list(initial[0])
+    row0[0], row0[6] = 6, 0
+    rows = {0: row0, 2: list(initial[2])}
+    _refused_changing_nothing(
+        ledger,
+        record,
+        "no fingerprint of expert 6 .*expected_fingerprints",
+        "B",
+        rows,
+        _repair_prints(slots),
+        slots.fingerprints,
+    )
+    forged = {0: {6: expert_fingerprint(0, 7)}}  # another expert's content, named expert 6
+    _refused_changing_nothing(
+        ledger,
+        record,
+        "layer 0 slot 0 .*expert 6.*parts 0-3 differ",
+        "B",
+        rows,
+        _repair_prints(slots),
+        slots.fingerprints,
+        forged,
+    )
+    carried = {0: {6: expert_fingerprint(0, 6)}}
+    version, _ = record.repair(
+        "B", rows, _repair_prints(slots), slots.fingerprints, expected_fingerprints=carried
+    )
+    assert version == 1 and record.dirty is None
+    assert record.known.fingerprint_of(0, 6) == expert_fingerprint(0, 6)
+    _agree(ledger, record, "repaired with a carried fingerprint")
+
+
+def test_a_repair_of_a_partial_slot_is_refused_whatever_expert_it_names(tmp_path):
+    ledger, record, slots = _two_rank_dirty(tmp_path)
+    initial = record.physical_to_logical_map()
+    slots.put(0, 0, half_and_half(0, 0, 2))  # parts 0-1 of expert 0, parts 2-3 of expert 2
+    row0 = list(initial[0])
+    row0[0], row0[6] = 6, 0
+    carried = {0: {6: half_and_half(0, 0, 2)}}  # a carried "fingerprint" that is a part mix
+    _refused_changing_nothing(
+        ledger,
+        record,
+        "layer 0 slot 0 holds partial: parts 0-1 of expert 0, parts 2-3 of expert 2",
+        "B",
+        {0: row0, 2: list(initial[2])},
+        _repair_prints(slots),
+        slots.fingerprints,
+        carried,
+    )
+    _agree(ledger, record, "a partial slot refused")
+
+
+def test_a_repair_whose_row_leaves_an_expert_without_a_slot_is_refused(tmp_path):
+    ledger, record, slots = _two_rank_dirty(tmp_path)
+    initial = record.physical_to_logical_map()
+    row0 = list(initial[0])
+    row0[6] = 7  # rank 1's slot 6 (expert 6's only copy) named expert 7: no slot holds expert 6
+    _refused_changing_nothing(
+        ledger,
+        record,
+        "row of layer 0 leaves experts \\[6\\] without a slot",
+        "B",
+        {0: row0, 2: list(initial[2])},
+        _repair_prints(slots),
+        slots.fingerprints,
+    )
+
+
+@pytest.mark.parametrize(
+    "shape",
+    ["a float layer key", "a tuple row", "a tuple of fingerprints", "a float expert key"],
+)
+def test_a_repair_in_a_shape_the_protocol_does_not_name_is_refused(tmp_path, shape):
+    ledger, record, slots = _two_rank_dirty(tmp_path)
+    initial = record.physical_to_logical_map()
+    rows: dict = {0: list(initial[0]), 2: list(initial[2])}
+    prints: dict = _repair_prints(slots)
+    carried: dict | None = None
+    if shape == "a float layer key":
+        rows = {0.0: rows[0], 2: rows[2]}
+        message = "rows key 0.0 \\(float\\) is not an int layer"
+    elif shape == "a tuple row":
+        rows[2] = tuple(rows[2])
+        message = "row of layer 2 must be a list of ints, got tuple"
+    elif shape == "a tuple of fingerprints":
+        prints[2] = tuple(prints[2])
+        message = "fingerprints of layer 2 must be a list"
+    else:
+        carried = {0: {6.0: expert_fingerprint(0, 6)}}
+        message = "key 6.0 is not a logical expert id"
+    _refused_changing_nothing(
+        ledger, record, message, "B", rows, prints, slots.fingerprints, carried
+    )
+
+
+# --- tied experts: identical bytes are the expected content -------------------------------------
+
+
+def _tied_slots(first_slot: int = 0, count: int = ALL) -> Slots:
+    """Layer 3's experts 4 and 5 share their bytes (a checkpoint that shares tensors)."""
+    initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
+    slots = Slots(initial, first_slot, count)
+    for index, expert in enumerate(initial[3][first_slot : first_slot + count]):
+        if expert == 5:
+            slots.put(3, first_slot + index, expert_fingerprint(3, 4))
+    return slots
+
+
+def test_tied_experts_load_clean_and_are_known_as_tied(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, _ = _start(ledger, _tied_slots())
+    assert record.check_loaded_content() is None and record.dirty is None
+    assert record.known.conflicts == []
+    assert record.known.tied() == {3: [(4, 5)]}
+    assert record.known.identify(3, expert_fingerprint(3, 4)).text == "experts 4/5 (tied)"
+
+
+def test_a_commit_swapping_tied_experts_slots_keeps_the_daemon_clean(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger, _tied_slots())
+    record.attach("A")
+    record.begin("A", 0, [3])
+    row = list(record.physical_to_logical_map()[3])
+    row[4], row[5] = 5, 4  # the bytes are the same either way: nothing to move
+    record.commit("A", {3: row}, slots.fingerprints)
+    assert record.dirty is None, record.dirty
+    assert not record.content_check(slots.fingerprints).dirty
+    _agree(ledger, record, "tied experts swapped")
+
+
+def test_status_shows_the_tied_experts_the_load_recorded(tmp_path, capsys):
+    from cli_ledgers import run_cli
+
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    _start(ledger, _tied_slots())
+    ledger.close()
+    _, out, _ = run_cli(capsys, "status", str(ledger.path))
+    assert "tied experts:" in out and "layer 3: 4/5 (the same bytes" in out, out
+    _, out, _ = run_cli(capsys, "status", str(ledger.path), "--json")
+    assert json.loads(out)["tied_experts"] == {"3": [[4, 5]]}

@@ -84,6 +84,9 @@ def fingerprints_from_wire(
         raise InvalidRequest(
             f"fingerprints must be a dict {{layer: [fingerprint, ...]}}, got {type(raw).__name__}"
         )
+    for key in raw:
+        if type(key) is not int:
+            raise InvalidRequest(f"fingerprints key {key!r} is not an int layer")
     if set(raw) != set(layers):
         shown = sorted(raw, key=str)
         raise InvalidRequest(
@@ -92,7 +95,7 @@ def fingerprints_from_wire(
     checked: dict[int, tuple[str, ...]] = {}
     for layer in layers:
         values = raw[layer]
-        if not isinstance(values, (list, tuple)) or len(values) != num_slots:
+        if not isinstance(values, list) or len(values) != num_slots:
             raise InvalidRequest(
                 f"fingerprints of layer {layer} must be a list of this daemon's {num_slots} "
                 f"local slots' fingerprints"
@@ -107,31 +110,94 @@ def fingerprints_from_wire(
     return LocalFingerprints(first_slot, checked)
 
 
+def expected_fingerprints_from_wire(
+    raw: Any, layers: Sequence[int], num_logical_experts: int
+) -> dict[int, dict[int, str]]:
+    """A repair's ``expected_fingerprints``: ``{layer: {expert: fingerprint}}`` (None: none),
+    layers among ``layers``, experts int logical ids: each expert's whole-slot fingerprint as
+    the daemon that holds it recorded it (the engine's all-gather knows every daemon's)."""
+    if raw is None:
+        return {}
+    shape = "a dict {layer: {expert: fingerprint}}"
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest(f"expected_fingerprints must be {shape}, got {type(raw).__name__}")
+    checked: dict[int, dict[int, str]] = {}
+    for layer, experts in raw.items():
+        if type(layer) is not int or layer not in layers:
+            raise InvalidRequest(
+                f"expected_fingerprints key {layer!r} is not one of the repaired layers "
+                f"{list(layers)}"
+            )
+        if not isinstance(experts, Mapping) or len(experts) > num_logical_experts:
+            raise InvalidRequest(f"expected_fingerprints of layer {layer} must be {shape}")
+        of_layer: dict[int, str] = {}
+        for expert, value in experts.items():
+            if type(expert) is not int or not 0 <= expert < num_logical_experts:
+                raise InvalidRequest(
+                    f"expected_fingerprints of layer {layer}: key {expert!r} is not a logical "
+                    f"expert id below {num_logical_experts}"
+                )
+            if not is_fingerprint(value):
+                raise InvalidRequest(
+                    f"expected_fingerprints of layer {layer} expert {expert} is not "
+                    f"{FINGERPRINT_LENGTH} lowercase hex digits"
+                )
+            of_layer[expert] = value
+        checked[layer] = of_layer
+    return checked
+
+
+def differing_parts(first: str, second: str) -> str:
+    """Which parts of two fingerprints differ: ``parts 0-3``, ``part 2``, ``parts 0-1, 3``."""
+    indexes = [
+        index
+        for index, (a, b) in enumerate(zip(parts_of(first), parts_of(second), strict=True))
+        if a != b
+    ]
+    runs: list[list[int]] = []
+    for index in indexes:
+        if runs and runs[-1][-1] == index - 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
+    return ("part " if indexes and len(indexes) == 1 else "parts ") + text
+
+
 # --- what a slot holds ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Identified:
-    """What a fingerprint says a slot holds: a whole known expert, or ``text`` only."""
+    """What a fingerprint says a slot holds: whole known experts (one, or several tied: the
+    same bytes), or ``text`` only."""
 
     expert: int | None
     text: str
+    experts: tuple[int, ...] = ()
 
     @property
     def whole_expert(self) -> bool:
-        return self.expert is not None
+        return bool(self.experts)
+
+    def is_expert(self, expert: int) -> bool:
+        """The slot holds ``expert``'s bytes (alone, or tied with others)."""
+        return expert in self.experts
 
 
 class ExpertContents:
     """Per layer, the fingerprint of each logical expert, learned from recorded slots.
 
-    A fingerprint recorded for two experts, or two fingerprints for one expert, is a conflict
-    (``conflicts``): the recorded slots cannot say which is right.
+    Two fingerprints for one expert are a conflict (``conflicts``): the recorded slots cannot
+    say which is right. One fingerprint for several experts is not: they are *tied* (a pruned,
+    merged or randomly initialised model, a checkpoint that shares tensors), their bytes are
+    the same, so a slot holding them holds each of them (``tied``). Checks compare bytes: content
+    equal to the expected expert's content is the expected content.
     """
 
     def __init__(self) -> None:
         self._of_expert: dict[int, dict[int, str]] = {}
-        self._of_fingerprint: dict[int, dict[str, int]] = {}
+        self._of_fingerprint: dict[int, dict[str, list[int]]] = {}
         self.conflicts: list[str] = []
 
     def learn(self, layer: int, expert: int, fingerprint: str, where: str) -> None:
@@ -146,16 +212,11 @@ class ExpertContents:
                 f"({short(known)}..., and {short(fingerprint)}... at {where})"
             )
             return
-        holders = self._of_fingerprint.setdefault(layer, {})
-        other = holders.get(fingerprint)
-        if other is not None and other != expert:
-            self.conflicts.append(
-                f"layer {layer}: experts {other} and {expert} were recorded with the same "
-                f"content {short(fingerprint)}... (at {where}), so they cannot be told apart"
-            )
-            return
         experts[expert] = fingerprint
-        holders[fingerprint] = expert
+        holders = self._of_fingerprint.setdefault(layer, {}).setdefault(fingerprint, [])
+        if expert not in holders:
+            holders.append(expert)
+            holders.sort()
 
     def learn_slots(self, layer: int, row: Sequence[int], local: LocalFingerprints) -> None:
         """Learn from ``layer``'s local slots: the expert ``row`` (its map row) names in each,
@@ -167,13 +228,26 @@ class ExpertContents:
         """The fingerprint learned for ``expert`` of ``layer`` (None: never learned)."""
         return self._of_expert.get(layer, {}).get(expert)
 
+    def tied(self) -> dict[int, list[tuple[int, ...]]]:
+        """Per layer (only those with any), the groups of experts learned with the same bytes."""
+        found: dict[int, list[tuple[int, ...]]] = {}
+        for layer, holders in sorted(self._of_fingerprint.items()):
+            groups = sorted(tuple(experts) for experts in holders.values() if len(experts) > 1)
+            if groups:
+                found[layer] = groups
+        return found
+
     def identify(self, layer: int, fingerprint: str) -> Identified:
         """What ``fingerprint`` holds, as far as this layer's known experts tell."""
-        holders = self._of_fingerprint.get(layer, {})
-        if fingerprint in holders and fingerprint != ZERO:
-            return Identified(holders[fingerprint], f"expert {holders[fingerprint]}")
         if fingerprint == ZERO:
             return Identified(None, ZERO_FILLED)
+        holders = self._of_fingerprint.get(layer, {}).get(fingerprint)
+        if holders:
+            experts = tuple(holders)
+            if len(experts) == 1:
+                return Identified(experts[0], f"expert {experts[0]}", experts)
+            names = "/".join(str(expert) for expert in experts)
+            return Identified(None, f"experts {names} (tied)", experts)
         owners = [
             self._part_owner(layer, index, part) for index, part in enumerate(parts_of(fingerprint))
         ]
@@ -230,6 +304,33 @@ def replica_disagreements(
                     f"slot {slot} {_summary(fingerprint)}" for slot, fingerprint in held
                 )
                 texts.append(f"expert {expert} in slots that differ ({shown})")
+        if texts:
+            found[layer] = f"layer {layer}: " + "; ".join(texts)
+    return found
+
+
+def empty_experts(
+    physical_to_logical_map: Sequence[Sequence[int]], local: LocalFingerprints
+) -> dict[int, str]:
+    """Per layer, the experts whose every local slot is zero-filled (+0.0 or -0.0 throughout:
+    a load that never filled them), in words; an expert some of whose slots hold bytes is a
+    replica disagreement instead (``replica_disagreements``). A zero-filled only copy agrees
+    with nothing, so only this finds it."""
+    found: dict[int, str] = {}
+    for layer in sorted(local.layers):
+        row = physical_to_logical_map[layer]
+        slots_of: dict[int, list[tuple[int, str]]] = {}
+        for slot, fingerprint in local.slots(layer):
+            slots_of.setdefault(int(row[slot]), []).append((slot, fingerprint))
+        texts = []
+        for expert, held in sorted(slots_of.items()):
+            if all(fingerprint == ZERO for _, fingerprint in held):
+                where = ", ".join(str(slot) for slot, _ in held)
+                which = "slot" if len(held) == 1 else "slots"
+                texts.append(
+                    f"expert {expert} in {which} {where} is zero-filled (no local copy holds "
+                    f"its weights)"
+                )
         if texts:
             found[layer] = f"layer {layer}: " + "; ".join(texts)
     return found

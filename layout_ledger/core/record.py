@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 END_SHUTDOWN = "daemon shut down"
 END_FOUND_UNENDED = "the daemon did not shut down cleanly (found unended at the next start)"
 EOF_DETACH = "attach connection closed (EOF)"
+# How often a content check reads the slots outside the lock before it reads them under it
+# (each read lost a race with a begin, commit, abort or repair).
+CONTENT_CHECK_TRIES = 3
 
 
 class Fingerprinter(Protocol):
@@ -142,6 +145,10 @@ class LayoutRecord:
         self.non_following_fetch = False
         self.cordon: Cordon | None = None  # an operator's: begins are busy while it lasts
         self.end_state: str | None = None
+        # Counts every change of the version or the pending move (begin, commit, abort, a
+        # mover's detach, repair): a content check compares fingerprints read while it stood
+        # still (``content_check``).
+        self._moves_seen = 0
         # The local slots' fingerprints at the current version (None: this daemon records none)
         # and every expert's content learned from them this incarnation.
         self.content = content
@@ -251,6 +258,7 @@ class LayoutRecord:
             del self._attached[engine_id]
             self.pending = None
             self.dirty = mark
+            self._moves_seen += 1
             return mark
 
     def begin(self, engine_id: Any, base_version: Any, layers: Any) -> PendingMove:
@@ -267,6 +275,7 @@ class LayoutRecord:
             )
             self.journal.append([_move_event(ev.BEGIN, move, at)])
             self.pending = move
+            self._moves_seen += 1
             return move
 
     def commit(
@@ -333,6 +342,7 @@ class LayoutRecord:
         self.version = new_version
         self.digest = digest
         self.pending = None
+        self._moves_seen += 1
         if fingerprints is not None and self.content is not None:
             self.content = self.content.updated(fingerprints)
         return new_version, digest
@@ -346,6 +356,7 @@ class LayoutRecord:
                 self._refuse("abort", engine_id, exc)
             self.journal.append([_move_event(ev.ABORT, move, self._clock())])
             self.pending = None
+            self._moves_seen += 1
 
     def fetch(self, field: Any) -> rules.FetchVerdict:
         """The fetch_state check; a served non-following fetch disables moves until restart."""
@@ -457,33 +468,60 @@ class LayoutRecord:
     def content_check(self, fingerprints_of: Fingerprinter) -> ContentState:
         """Compare the slots' fingerprints now with the record (but the layers of a pending
         move, or of the unfinished move a daemon is dirty for); content that moved without a
-        commit marks a clean daemon dirty."""
+        commit marks a clean daemon dirty.
+
+        The fingerprints are compared with the record they were read at: they are read outside
+        the lock (a begin or fetch need not wait for them), and compared only if no begin,
+        commit, abort or repair happened meanwhile (``_moves_seen``); else read again, and after
+        ``CONTENT_CHECK_TRIES`` lost races read under the lock, where no move can begin or end.
+        A move pending all along is skipped by its layers, whose bytes are changing.
+        """
         if self.content is None:
             raise NoContentRecord(rules.NO_CONTENT_RECORD)
-        current = self._fingerprints_now(fingerprints_of)
+        for _ in range(CONTENT_CHECK_TRIES):
+            with self._lock:
+                seen = self._moves_seen
+            current = self._fingerprints_now(fingerprints_of)
+            with self._lock:
+                if self._moves_seen == seen:
+                    return self._compare_content(current)
         with self._lock:
-            recorded = self.content
-            if recorded is None:
-                raise NoContentRecord(rules.NO_CONTENT_RECORD)
-            skip = set() if self.pending is None else set(self.pending.layers)
-            if self.dirty is not None and self.dirty.move is not None:
-                skip |= set(self.dirty.move.layers)
-            changed = changed_slots(recorded, current, skip)
-            if changed and self.dirty is None:
-                the_map = self.physical_to_logical_map()
-                self.mark_content_dirty(
-                    sorted(changed),
-                    "slot content moved without a commit: "
-                    + describe_changes(changed, current, self.known, the_map)
-                    + "; restart the daemon",
-                )
-            return ContentState(self.state(), recorded, current)
+            return self._compare_content(self._fingerprints_now(fingerprints_of))
+
+    def _compare_content(self, current: LocalFingerprints) -> ContentState:
+        """The content check's comparison, under the lock, of fingerprints read at this
+        version and pending move."""
+        recorded = self.content
+        if recorded is None:
+            raise NoContentRecord(rules.NO_CONTENT_RECORD)
+        skip = set() if self.pending is None else set(self.pending.layers)
+        if self.dirty is not None and self.dirty.move is not None:
+            skip |= set(self.dirty.move.layers)
+        changed = changed_slots(recorded, current, skip)
+        if changed and self.dirty is None:
+            the_map = self.physical_to_logical_map()
+            self.mark_content_dirty(
+                sorted(changed),
+                "slot content moved without a commit: "
+                + describe_changes(changed, current, self.known, the_map)
+                + "; restart the daemon",
+            )
+        return ContentState(self.state(), recorded, current)
 
     def repair(
-        self, engine_id: Any, rows: Any, fingerprints: Any, fingerprints_of: Fingerprinter | None
+        self,
+        engine_id: Any,
+        rows: Any,
+        fingerprints: Any,
+        fingerprints_of: Fingerprinter | None,
+        *,
+        expected_fingerprints: Any = None,
     ) -> tuple[int, str]:
         """Record the layout the dirty move's layers hold (checked against this daemon's own
-        fingerprints now, ``fingerprints_of``) as a new version, and clear the dirty mark."""
+        fingerprints now, ``fingerprints_of``) as a new version, and clear the dirty mark.
+
+        ``expected_fingerprints`` (the request's, optional): ``{layer: {expert: fingerprint}}``
+        of the experts the rows name that this daemon never held (``rules.check_repair``)."""
         with self._lock:  # the engine id first: an id refused alone costs no fingerprinting
             try:
                 valid_id = self._engine_ids(engine_id)
@@ -498,7 +536,12 @@ class LayoutRecord:
                 content = rules.DaemonContent(self.content, current, self.known)
             try:
                 move, valid_rows, claimed = rules.check_repair(
-                    self, valid_id, rows, fingerprints, content
+                    self,
+                    valid_id,
+                    rows,
+                    fingerprints,
+                    content,
+                    expected_fingerprints=expected_fingerprints,
                 )
             except RequestRefused as exc:
                 self._refuse("repair", engine_id, exc)

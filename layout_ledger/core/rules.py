@@ -12,16 +12,20 @@ names is what the daemon's own slots show now and its rows name what the slots h
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from layout_ledger.core import errors
 from layout_ledger.core.content import (
+    UNKNOWN,
     ZERO,
     ExpertContents,
     LocalFingerprints,
     changed_slots,
+    differing_parts,
+    empty_experts,
+    expected_fingerprints_from_wire,
     fingerprints_from_wire,
     replica_disagreements,
     short,
@@ -335,8 +339,17 @@ def check_content_mark(state: StateView) -> None:
 def loaded_content_problems(
     physical_to_logical_map: Sequence[Sequence[int]], local: LocalFingerprints
 ) -> dict[int, str]:
-    """At load: slots the map gives one expert must hold the same bytes (per layer, in words)."""
-    return replica_disagreements(physical_to_logical_map, local)
+    """At load: slots the map gives one expert must hold the same bytes, and not zero bytes
+    (an all-zero or all -0.0 slot, wherever it is the expert's only copy here): per layer, in
+    words."""
+    differ = replica_disagreements(physical_to_logical_map, local)
+    empty = empty_experts(physical_to_logical_map, local)
+    found: dict[int, str] = {}
+    for layer in sorted({*differ, *empty}):
+        prefix = f"layer {layer}: "
+        texts = [of_layer.get(layer, "") for of_layer in (differ, empty)]
+        found[layer] = prefix + "; ".join(t.removeprefix(prefix) for t in texts if t)
+    return found
 
 
 def committed_content_problems(
@@ -353,7 +366,7 @@ def committed_content_problems(
             named = int(physical_to_logical_map[layer][slot])
             held = known.identify(layer, fingerprint)
             expected = known.fingerprint_of(layer, named)
-            wrong_expert = held.whole_expert and held.expert != named
+            wrong_expert = held.whole_expert and not held.is_expert(named)
             if fingerprint == ZERO or wrong_expert or (expected not in (None, fingerprint)):
                 texts.append(f"slot {slot} holds {held.text}, not expert {named}")
         if texts:
@@ -362,21 +375,48 @@ def committed_content_problems(
 
 
 def _repaired_layer_problems(
-    layer: int, row: Sequence[int], local: LocalFingerprints, known: ExpertContents
+    layer: int,
+    row: Sequence[int],
+    local: LocalFingerprints,
+    known: ExpertContents,
+    carried: Mapping[int, str],
 ) -> list[str]:
-    """What a repaired layer's slots hold that its new ``row`` does not name, in words."""
+    """What a repaired layer's slots hold that its new ``row`` does not name, in words.
+
+    Each slot must hold whole bytes (not zero-filled, no part of a known expert mixed with
+    other bytes), and exactly the fingerprint of the expert ``row`` names there: the one this
+    daemon recorded for it, or, for an expert it has no fingerprint of (it never held it), the
+    one the repair carries (``carried``: expert -> fingerprint, its ``expected_fingerprints``).
+    """
     problems = []
     for slot, fingerprint in local.slots(layer):
         named = int(row[slot])
         held = known.identify(layer, fingerprint)
-        expected = known.fingerprint_of(layer, named)
-        if fingerprint == ZERO or (held.whole_expert and held.expert != named):
-            problems.append(f"layer {layer} slot {slot} holds {held.text}, not expert {named}")
-        elif expected is not None and expected != fingerprint:
+        where = f"layer {layer} slot {slot}"
+        own = known.fingerprint_of(layer, named)
+        brought = carried.get(named)
+        if fingerprint == ZERO or (not held.whole_expert and held.text != UNKNOWN):
+            problems.append(f"{where} holds {held.text}, not a whole expert")
+        elif held.whole_expert and not held.is_expert(named):
+            problems.append(f"{where} holds {held.text}, not expert {named}")
+        elif own is not None and brought is not None and brought != own:
             problems.append(
-                f"layer {layer} slot {slot} holds {held.text}, not expert {named} "
-                f"({short(expected)}...)"
+                f"{where}: the repair's expected fingerprint of expert {named} "
+                f"({short(brought)}...) is not the one this daemon recorded ({short(own)}...)"
             )
+        elif own is None and brought is None:
+            problems.append(
+                f"{where}: this daemon has no fingerprint of expert {named} (it never held it); "
+                f"a repair naming it must carry it in expected_fingerprints"
+            )
+        else:
+            expected = own if own is not None else brought
+            if expected is not None and expected != fingerprint:
+                problems.append(
+                    f"{where} holds {held.text}, not expert {named} "
+                    f"({differing_parts(expected, fingerprint)} differ from its "
+                    f"{short(expected)}...)"
+                )
     return problems
 
 
@@ -390,7 +430,13 @@ class DaemonContent:
 
 
 def check_repair(
-    state: StateView, engine_id: str, rows: Any, fingerprints: Any, content: DaemonContent | None
+    state: StateView,
+    engine_id: str,
+    rows: Any,
+    fingerprints: Any,
+    content: DaemonContent | None,
+    *,
+    expected_fingerprints: Any = None,
 ) -> tuple[PendingMove, dict[int, list[int]], LocalFingerprints]:
     """A repair: the dirty move's layers, rows and fingerprints the daemon's own content shows.
 
@@ -398,13 +444,20 @@ def check_repair(
     cause); a daemon that records slot fingerprints (``content``, None when it records none);
     valid rows of exactly the move's layers; for each of those layers with fingerprints, every
     fingerprint the repair names equal to the one the daemon's slot shows now; no slot outside
-    them changed since the record; and rows that name the expert each slot holds. Returns the
+    them changed since the record; and rows that name the expert each slot holds, whole, by its
+    fingerprint (``_repaired_layer_problems``), and keep every logical expert in a slot.
+    Only the protocol's shapes: int layer keys, lists of ints and of fingerprints. Returns the
     dirty move, the validated rows and the fingerprints; raises ``RequestRefused``.
     """
     move = _repairable(state, engine_id)
     if content is None:
         raise errors.NoContentRecord(NO_CONTENT_RECORD)
     valid_rows = validate_rows(rows, move.layers, state.geometry)
+    for layer in move.layers:
+        _check_repaired_row(layer, rows[layer], valid_rows[layer], state.geometry)
+    carried = expected_fingerprints_from_wire(
+        expected_fingerprints, move.layers, state.geometry.num_logical_experts
+    )
     fingerprinted = [layer for layer in move.layers if layer in content.recorded.layers]
     first, count = content.recorded.first_slot, _local_slot_count(content.recorded)
     claimed = fingerprints_from_wire(fingerprints, fingerprinted, first, count)
@@ -429,13 +482,30 @@ def check_repair(
     problems = [
         text
         for layer in fingerprinted
-        for text in _repaired_layer_problems(layer, valid_rows[layer], claimed, content.known)
+        for text in _repaired_layer_problems(
+            layer, valid_rows[layer], claimed, content.known, carried.get(layer, {})
+        )
     ]
     if problems:
         raise errors.ContentMismatch(
             "the repair's rows do not name what the slots hold: " + "; ".join(problems[:8])
         )
     return move, valid_rows, claimed
+
+
+def _check_repaired_row(layer: int, raw: Any, row: Sequence[int], geometry: Geometry) -> None:
+    """A repaired row is a list (the protocol's shape) and a valid layout: every logical expert
+    keeps a slot (the daemon records the whole row, other daemons' slots too)."""
+    if not isinstance(raw, list):
+        raise errors.InvalidRequest(
+            f"row of layer {layer} must be a list of ints, got {type(raw).__name__}"
+        )
+    absent = sorted(set(range(geometry.num_logical_experts)) - set(row))
+    if absent:
+        raise errors.InvalidRequest(
+            f"row of layer {layer} leaves experts {absent[:16]} without a slot; a repaired layout "
+            f"keeps every logical expert in at least one slot"
+        )
 
 
 def check_recorded_repair(state: StateView, engine_id: str, layers: Any) -> PendingMove:

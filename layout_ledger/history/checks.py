@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from sqlalchemy import Connection, text
 
+from layout_ledger.core.content import is_fingerprint
 from layout_ledger.core.errors import DamagedRow
 from layout_ledger.core.layout import layout_digest
 from layout_ledger.history.reader import LedgerReader
@@ -70,15 +71,25 @@ class Inconsistent(Exception):
     """Raised inside one check to stop it at its first inconsistency."""
 
 
+_VERSIONED = ", ".join(f"'{kind}'" for kind in chain.VERSIONED_KINDS)
+_CHAIN_ROWS = (
+    f"SELECT e.event_id, {', '.join('e.' + name for name in chain.FIELDS)}, e.chain, "
+    "v.fingerprints_digest FROM events e LEFT JOIN versions v "
+    "ON v.incarnation_id = e.incarnation_id AND v.version = e.new_version "
+    f"AND e.kind IN ({_VERSIONED}) ORDER BY e.event_id"
+)
+
+
 def _chain_check(conn: Connection) -> CheckResult:
-    """Recompute the events' hash chain (``layout_ledger.store.chain``); name the first break."""
+    """Recompute the events' hash chain (``layout_ledger.store.chain``); name the first break.
+
+    A start, commit or repair event's link covers its version's ``fingerprints_digest`` (None
+    for rows of older code, which link as they always did)."""
     previous = chain.GENESIS
-    rows = conn.exec_driver_sql(
-        f"SELECT event_id, {', '.join(chain.FIELDS)}, chain FROM events ORDER BY event_id"
-    )
+    rows = conn.exec_driver_sql(_CHAIN_ROWS)
     count = 0
-    for event_id, *fields, stored in rows:
-        expected = chain.link(previous, fields)
+    for event_id, *fields, stored, digest in rows:
+        expected = chain.link(previous, fields, digest)
         if stored != expected:
             return CheckResult(
                 "chain",
@@ -180,9 +191,103 @@ def _check_events(conn: Connection, inc: Incarnation) -> str:
     return f"{count} events consistent"
 
 
+def _check_fingerprints(conn: Connection, inc: Incarnation) -> str:
+    """The slot fingerprint rows: each a JSON list of fingerprints of one daemon's slots, beside
+    a layout row of the same layer and version, and every held layout row of a fingerprinted
+    layer has one; each version's ``fingerprints_digest`` recomputed from its rows where they
+    are all held (``store.chain.fingerprints_digest``)."""
+    prints = conn.execute(
+        text(
+            "SELECT row_id, layer, version, first_slot, fingerprints FROM slot_fingerprints "
+            "WHERE incarnation_id = :i ORDER BY version, layer"
+        ),
+        {"i": inc.incarnation_id},
+    ).all()
+    held = {
+        (int(layer), int(version))
+        for layer, version in conn.execute(
+            text("SELECT layer, version FROM layout_rows WHERE incarnation_id = :i"),
+            {"i": inc.incarnation_id},
+        ).all()
+    }
+    if not prints:
+        stored = conn.execute(
+            text(
+                "SELECT min(version) FROM versions WHERE incarnation_id = :i "
+                "AND fingerprints_digest IS NOT NULL"
+            ),
+            {"i": inc.incarnation_id},
+        ).scalar()
+        if stored is not None and any(v == stored for _, v in held):
+            raise Inconsistent(
+                f"version {stored} records a fingerprints digest but no slot fingerprint row is "
+                f"held (they were deleted)"
+            )
+        return "no slot fingerprints recorded"
+    slots = inc.geometry.num_physical_slots
+    shapes = set()
+    by_version: dict[int, list[tuple[int, int, str]]] = {}
+    for row_id, layer, version, first_slot, values in prints:
+        where = f"slot_fingerprints row {row_id} (layer {layer}, version {version})"
+        try:
+            parsed = json.loads(values)
+        except (TypeError, ValueError):
+            parsed = None
+        if not isinstance(parsed, list) or not all(is_fingerprint(v) for v in parsed):
+            raise Inconsistent(f"{where} is not a JSON list of 64-hex-digit fingerprints")
+        if not parsed or not 0 <= int(first_slot) <= slots - len(parsed):
+            raise Inconsistent(f"{where} covers slots outside the layer's {slots}")
+        shapes.add((int(first_slot), len(parsed)))
+        if len(shapes) > 1:
+            raise Inconsistent(f"{where} covers other slots than the incarnation's other rows")
+        if (int(layer), int(version)) not in held:
+            raise Inconsistent(f"{where} has no layout row of that layer and version beside it")
+        by_version.setdefault(int(version), []).append((int(layer), int(first_slot), values))
+    fingerprinted = {int(layer) for _, layer, *_ in prints}
+    written = {(layer, version) for version, rows in by_version.items() for layer, *_ in rows}
+    missing = sorted(
+        (version, layer) for layer, version in held - written if layer in fingerprinted
+    )
+    if missing:
+        version, layer = missing[0]
+        raise Inconsistent(
+            f"version {version} wrote layer {layer}'s row but its slot fingerprints are not "
+            f"held beside it (deleted?)"
+        )
+    checked = 0
+    for version, digest, layers_text in conn.execute(
+        text(
+            "SELECT version, fingerprints_digest, layers FROM versions "
+            "WHERE incarnation_id = :i AND fingerprints_digest IS NOT NULL ORDER BY version"
+        ),
+        {"i": inc.incarnation_id},
+    ).all():
+        wrote = _layers_of(layers_text, f"versions row of version {version}")
+        if not all((layer, int(version)) in held for layer in wrote):
+            continue  # partly pruned: the chain still covers the digest it records
+        if chain.fingerprints_digest(by_version.get(int(version), [])) != digest:
+            raise Inconsistent(
+                f"version {version}'s slot fingerprint rows do not give the fingerprints digest "
+                f"its versions row records (a fingerprint row was edited, added or deleted)"
+            )
+        checked += 1
+    return f"{len(prints)} slot fingerprint rows well formed; {checked} version digests match"
+
+
+def _layers_of(value: object, what: str) -> list[int]:
+    try:
+        parsed = json.loads(str(value))
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(type(v) is int for v in parsed):
+        raise Inconsistent(f"{what}: its layers are not a JSON list of ints")
+    return parsed
+
+
 _INCARNATION_CHECKS: tuple[tuple[str, Callable[[Connection, Incarnation], str]], ...] = (
     ("version_chain", _check_version_chain),
     ("digests", _check_digests),
+    ("fingerprints", _check_fingerprints),
     ("events", _check_events),
 )
 
@@ -195,6 +300,10 @@ def collect_verify(ledger: LedgerReader) -> VerifyReport:
     - per incarnation, ``digests``: the initial map gives the initial digest, which version 0
       records; every held version (from the reconstructible floor) rebuilt from the rows gives
       the digest its versions row records, and its rows are exactly the layers it lists.
+    - per incarnation, ``fingerprints``: every slot fingerprint row is a JSON list of
+      fingerprints of the same slots, beside a layout row of its layer and version; every held
+      layout row of a fingerprinted layer has its fingerprint row; every version whose rows are
+      all held gives, from its fingerprint rows, the ``fingerprints_digest`` it records.
     - per incarnation, ``events``: the stored events, replayed through the daemon's own rules
       (``store.replay``), are exactly what the daemon would have written: it starts with
       ``start``; every transition is one the rules allow at that point (a commit needs its
@@ -204,7 +313,8 @@ def collect_verify(ledger: LedgerReader) -> VerifyReport:
       after ``end`` only ``prune``; every version has a commit; and the incarnation row's end
       state is its events'.
     - last, ``chain``: every event's chain value recomputed from the one before it and its own
-      fields (``store.chain``), which also catches an edit that leaves a history the rules
+      fields, with its version's fingerprints digest for a start, commit or repair
+      (``store.chain``), which also catches an edit that leaves a history the rules
       allow; the head it reaches is printed, to compare with the daemon's log.
     """
     results = []

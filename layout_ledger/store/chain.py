@@ -8,7 +8,11 @@ and ``layout-ledger verify`` recomputes the chain and prints its head to compare
 
 The definition is part of the file format: it never changes in place (a new definition would be
 a new schema revision that recomputes the chain). Revision 0003 computes it for the rows older
-ledgers hold, with this module.
+ledgers hold, with this module. Revision 0007 extends it for new rows only: the link of a start,
+commit or repair event whose version recorded slot fingerprints also covers their digest
+(``versions.fingerprints_digest``), so an edited, added or deleted fingerprint row breaks the
+chain as an edited event does; a row without a digest (older code, or no fingerprints) links as
+before.
 """
 
 from __future__ import annotations
@@ -38,7 +42,29 @@ FIELDS = (
 )
 
 
-def link(previous: str, row: Sequence[Any]) -> str:
-    """The chain value of a row whose ``FIELDS`` values are ``row``, after ``previous``."""
-    encoded = json.dumps([previous, *row], separators=(",", ":"), ensure_ascii=True)
+# The event kinds whose row writes a version (and, at a daemon that records content, its slot
+# fingerprints): their link covers the version's ``fingerprints_digest`` when it has one.
+VERSIONED_KINDS = ("start", "commit", "repair")
+
+
+def link(previous: str, row: Sequence[Any], fingerprints_digest: str | None = None) -> str:
+    """The chain value of a row whose ``FIELDS`` values are ``row``, after ``previous``.
+
+    ``fingerprints_digest``: the ``versions.fingerprints_digest`` of the version a start, commit
+    or repair event wrote (revision 0007); None (no fingerprints, or a row of older code) gives
+    the link revision 0003 defined, so older rows verify as before.
+    """
+    values: list[Any] = [previous, *row]
+    if fingerprints_digest is not None:
+        values.append({"fingerprints": fingerprints_digest})
+    encoded = json.dumps(values, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(encoded.encode()).hexdigest()
+
+
+def fingerprints_digest(rows: Sequence[tuple[int, int, str]]) -> str:
+    """SHA-256 over one version's slot fingerprint rows ``(layer, first_slot, fingerprints)``,
+    the JSON text exactly as stored, in layer order: what ``versions.fingerprints_digest``
+    holds and ``verify`` recomputes from the rows."""
+    ordered = [[int(layer), int(first), str(text)] for layer, first, text in sorted(rows)]
+    encoded = json.dumps(ordered, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(encoded.encode()).hexdigest()

@@ -83,20 +83,33 @@ class EventWriter:
         self.head = Head(int(last[0]), tuple(last[1:-1]), str(last[-1]), previous)
 
     def write(
-        self, driver: sqlite3.Connection, incarnation_id: int, events: Sequence[ev.Event]
+        self,
+        driver: sqlite3.Connection,
+        incarnation_id: int,
+        events: Sequence[ev.Event],
+        fingerprints_digest: str | None = None,
     ) -> None:
-        """Append ``events`` of one incarnation in the caller's transaction."""
+        """Append ``events`` of one incarnation in the caller's transaction.
+
+        ``fingerprints_digest``: of the slot fingerprints the one versioned event (start, commit,
+        repair) wrote; its link covers it (``chain.link``)."""
         for event in events:
             fields = fields_of(incarnation_id, event)
             head = self.head
             if len(events) == 1 and head is not None and head.repeats(fields):
                 self._count_again(driver, head, event.at)
             else:
-                self._insert(driver, fields)
+                versioned = event.kind in chain.VERSIONED_KINDS and event.new_version is not None
+                self._insert(driver, fields, fingerprints_digest if versioned else None)
 
-    def _insert(self, driver: sqlite3.Connection, fields: tuple[object, ...]) -> None:
+    def _insert(
+        self,
+        driver: sqlite3.Connection,
+        fields: tuple[object, ...],
+        fingerprints_digest: str | None = None,
+    ) -> None:
         previous = chain.GENESIS if self.head is None else self.head.value
-        value = chain.link(previous, fields)
+        value = chain.link(previous, fields, fingerprints_digest)
         cursor = driver.execute(_INSERT, (*fields, value))
         if cursor.lastrowid is None:
             raise sqlite3.DatabaseError("the new event got no id")

@@ -30,7 +30,7 @@ from layout_ledger.core.errors import DamagedRow, LedgerError, LedgerFileError, 
 from layout_ledger.core.layout import Geometry, Map, layout_digest, validate_map
 from layout_ledger.core.record import END_FOUND_UNENDED, LayoutRecord
 from layout_ledger.core.state import utc_now
-from layout_ledger.store import maintenance
+from layout_ledger.store import chain, maintenance
 from layout_ledger.store.connections import open_reader_engine, open_writer
 from layout_ledger.store.event_writer import EventWriter
 from layout_ledger.store.maintenance import CheckpointResult, Maintenance
@@ -422,12 +422,14 @@ class LedgerJournal:
         ledger = self.ledger
         synced = rows is not None or any(event.kind == ev.END for event in events)
         with ledger._journal_transaction(synced=synced) as driver:
+            digest = None
             if rows is not None:
                 (versioned,) = events
-                _insert_version(driver, self.incarnation_id, versioned, rows)
-                if fingerprints is not None:
-                    _insert_fingerprints(driver, self.incarnation_id, versioned, fingerprints)
-            ledger._events.write(driver, self.incarnation_id, events)
+                prints = [] if fingerprints is None else _fingerprint_rows(fingerprints)
+                digest = chain.fingerprints_digest(prints) if prints else None
+                _insert_version(driver, self.incarnation_id, versioned, rows, digest)
+                _insert_fingerprints(driver, self.incarnation_id, versioned, prints)
+            ledger._events.write(driver, self.incarnation_id, events, digest)
             for event in events:
                 if event.kind == ev.END:
                     _mark_ended(driver, self.incarnation_id, event)
@@ -448,8 +450,8 @@ class LedgerJournal:
 # The hot path (every commit) inserts with prepared driver SQL and tuples; the statements name
 # the same columns as ``schema``'s tables, which the schema drift test pins.
 _INSERT_VERSION = (
-    "INSERT INTO versions (incarnation_id, version, digest, committed_at, engine_id, layers) "
-    "VALUES (?, ?, ?, ?, ?, ?)"
+    "INSERT INTO versions (incarnation_id, version, digest, committed_at, engine_id, layers, "
+    "fingerprints_digest) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_ROW = "INSERT INTO layout_rows (incarnation_id, layer, version, slots) VALUES (?, ?, ?, ?)"
 _INSERT_INCARNATION = (
@@ -489,7 +491,11 @@ def _insert_incarnation(
 
 
 def _insert_version(
-    driver: sqlite3.Connection, incarnation_id: int, event: ev.Event, rows: Mapping[int, str]
+    driver: sqlite3.Connection,
+    incarnation_id: int,
+    event: ev.Event,
+    rows: Mapping[int, str],
+    fingerprints_digest: str | None,
 ) -> None:
     """A version's versions row and layout rows, in the caller's transaction."""
     version = event.new_version
@@ -504,6 +510,7 @@ def _insert_version(
             event.at,
             event.engine_id,
             event.layers_json(),
+            fingerprints_digest,
         ),
     )
     driver.executemany(
@@ -517,16 +524,22 @@ _INSERT_FINGERPRINTS = (
 )
 
 
+def _fingerprint_rows(local: LocalFingerprints) -> list[tuple[int, int, str]]:
+    """``(layer, first_slot, fingerprints JSON)`` of each layer, as ``slot_fingerprints`` holds
+    them (and ``chain.fingerprints_digest`` covers them)."""
+    return [(layer, local.first_slot, local.row_json(layer)) for layer in sorted(local.layers)]
+
+
 def _insert_fingerprints(
-    driver: sqlite3.Connection, incarnation_id: int, event: ev.Event, local: LocalFingerprints
+    driver: sqlite3.Connection,
+    incarnation_id: int,
+    event: ev.Event,
+    rows: Sequence[tuple[int, int, str]],
 ) -> None:
     """A new version's slot fingerprints (the layers it wrote), in the caller's transaction."""
     driver.executemany(
         _INSERT_FINGERPRINTS,
-        [
-            (incarnation_id, layer, event.new_version, local.first_slot, local.row_json(layer))
-            for layer in sorted(local.layers)
-        ],
+        [(incarnation_id, layer, event.new_version, first, text) for layer, first, text in rows],
     )
 
 

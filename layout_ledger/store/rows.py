@@ -16,7 +16,12 @@ from sqlalchemy import Connection, text
 
 from layout_ledger.core import events as ev
 from layout_ledger.core.content import LocalFingerprints, is_fingerprint
-from layout_ledger.core.errors import DamagedRow, LedgerError, LedgerStorageError
+from layout_ledger.core.errors import (
+    DamagedRow,
+    LedgerError,
+    LedgerInconsistent,
+    LedgerStorageError,
+)
 from layout_ledger.core.layout import Geometry, Map
 from layout_ledger.store.origin import COLUMNS as ORIGIN_COLUMNS
 from layout_ledger.store.origin import IncarnationOrigin
@@ -171,33 +176,56 @@ def row_jsons_at(conn: Connection, inc: Incarnation, version: int) -> list[str]:
 
 
 _FINGERPRINTS_AT = text(
-    "SELECT f.row_id, f.layer, f.first_slot, f.fingerprints FROM slot_fingerprints f "
-    "WHERE f.incarnation_id = :i AND f.version = ("
-    "  SELECT max(g.version) FROM slot_fingerprints g"
-    "  WHERE g.incarnation_id = f.incarnation_id AND g.layer = f.layer AND g.version <= :v"
-    ") ORDER BY f.layer"
+    "WITH written AS ("
+    "  SELECT r.layer, max(r.version) AS version FROM layout_rows r"
+    "  WHERE r.incarnation_id = :i AND r.version <= :v GROUP BY r.layer"
+    ") SELECT w.layer, w.version, f.row_id, f.first_slot, f.fingerprints FROM written w "
+    "LEFT JOIN slot_fingerprints f ON f.incarnation_id = :i AND f.layer = w.layer "
+    "AND f.version = w.version ORDER BY w.layer"
+)
+_FINGERPRINTED_LAYERS = text(
+    "SELECT DISTINCT layer FROM slot_fingerprints WHERE incarnation_id = :i"
 )
 
 
 def fingerprints_at(conn: Connection, inc: Incarnation, version: int) -> LocalFingerprints | None:
-    """The daemon's recorded slot fingerprints at ``version`` (per layer, the newest row at or
-    before it), or None when it recorded none."""
-    rows = conn.execute(_FINGERPRINTS_AT, {"i": inc.incarnation_id, "v": version}).all()
-    if not rows:
+    """The daemon's recorded slot fingerprints at ``version``, or None when it recorded none.
+
+    Per layer, the fingerprints written beside the layer's row in effect at ``version`` (the
+    newest at or before it), never another version's: a fingerprinted layer whose row has no
+    fingerprint row beside it, or a row that is not a JSON list of fingerprints, raises
+    ``LedgerInconsistent`` (the ledger fails ``verify``).
+    """
+    fingerprinted = {
+        int(layer)
+        for (layer,) in conn.execute(_FINGERPRINTED_LAYERS, {"i": inc.incarnation_id}).all()
+    }
+    if not fingerprinted:
         return None
+    rows = conn.execute(_FINGERPRINTS_AT, {"i": inc.incarnation_id, "v": version}).all()
     layers: dict[int, tuple[str, ...]] = {}
     first_slots = set()
-    for row_id, layer, first_slot, values in rows:
+    for layer, written, row_id, first_slot, values in rows:
+        if int(layer) not in fingerprinted:
+            continue
+        if row_id is None:
+            raise LedgerInconsistent(
+                f"incarnation {inc.incarnation_id}: version {written} wrote layer {layer}'s row "
+                f"but no slot fingerprints beside it (deleted?); run `layout-ledger verify`"
+            )
         try:
             parsed = json.loads(values)
         except (TypeError, ValueError):
             parsed = None
         if not isinstance(parsed, list) or not all(is_fingerprint(v) for v in parsed):
-            raise DamagedRow(
-                "slot_fingerprints", int(row_id), "fingerprints", "not a JSON list of fingerprints"
+            raise LedgerInconsistent(
+                f"slot_fingerprints row {row_id} (layer {layer}, version {written}) is not a "
+                f"JSON list of fingerprints; run `layout-ledger verify`"
             )
         layers[int(layer)] = tuple(parsed)
         first_slots.add(int(first_slot))
+    if not layers:
+        return None
     return LocalFingerprints(min(first_slots), layers)
 
 

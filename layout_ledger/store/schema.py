@@ -28,13 +28,14 @@ from sqlalchemy import (
 # Mixed versions: a writer upgrades an older file to this revision when it opens it; a file at
 # a revision not in KNOWN_REVISIONS was written by newer code and is refused by every opener,
 # read-only ones included, because its tables may no longer mean what this code assumes.
-SCHEMA_HEAD = "0005_slot_fingerprints"
+SCHEMA_HEAD = "0007_fingerprint_digests"
 KNOWN_REVISIONS = (
     "0001_initial",
     "0002_forensic_views",
     "0003_event_counts_and_chain",
     "0004_incarnation_origin",
     "0005_slot_fingerprints",
+    "0007_fingerprint_digests",
 )
 
 metadata = MetaData()
@@ -86,6 +87,9 @@ versions = Table(
     Column("engine_id", Text),
     # JSON array of the layers whose rows this version wrote (every layer for version 0).
     Column("layers", Text, nullable=False),
+    # SHA-256 over the slot fingerprint rows this version wrote (store.chain.fingerprints_digest);
+    # its event's chain link covers it. NULL: none written, or written before revision 0007.
+    Column("fingerprints_digest", Text),
     sqlite_with_rowid=False,
 )
 

@@ -48,6 +48,8 @@ NOT_OK_STATUSES = frozenset({BUSY, REFUSED, NO_RECORD, LAYOUT_REFUSED, ERROR})
 
 # The optional field an engine adds to ``fetch_state``.
 FETCH_LAYOUT_FIELD = "expert_layout"
+# The optional field of ``expert_layout_repair``: fingerprints of experts a daemon never held.
+EXPECTED_FINGERPRINTS = "expected_fingerprints"
 
 # sglang 0.5.23's daemon answers a request type it does not know with
 # {"status": "error", "message": "Unknown request type: ..."}; an engine reads that reply to an
@@ -342,20 +344,30 @@ class ContentCheckRequest:
 @dataclass(frozen=True)
 class RepairRequest:
     """Record the layout a dirty daemon's pending layers hold: ``rows`` (``{layer: row}``, the
-    whole row of exactly the dirty move's layers) and ``fingerprints`` (``{layer: [...]}``, the
-    daemon's local slots of those layers, as the engine read them)."""
+    whole row of exactly the dirty move's layers), ``fingerprints`` (``{layer: [...]}``, the
+    daemon's local slots of those layers, as the engine read them) and, optional,
+    ``expected_fingerprints`` (``{layer: {expert: fingerprint}}``: the fingerprint of each expert
+    the rows name in the daemon's local slots, as the daemon that holds it recorded it; a daemon
+    accepts a slot named as an expert it never held only with it)."""
 
     engine_id: str
     rows: Mapping[int, Sequence[int]]
     fingerprints: Mapping[int, Sequence[str]]
+    expected_fingerprints: Mapping[int, Mapping[int, str]] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "type": REPAIR,
             "engine_id": self.engine_id,
             "rows": {int(layer): [int(v) for v in row] for layer, row in self.rows.items()},
             "fingerprints": {int(layer): list(v) for layer, v in self.fingerprints.items()},
         }
+        if self.expected_fingerprints is not None:
+            wire[EXPECTED_FINGERPRINTS] = {
+                int(layer): {int(expert): str(value) for expert, value in experts.items()}
+                for layer, experts in self.expected_fingerprints.items()
+            }
+        return wire
 
 
 @dataclass(frozen=True)

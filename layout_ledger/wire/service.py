@@ -97,7 +97,11 @@ def _repair(record: LayoutRecord, request: Request, content: ContentSource | Non
     engine_id = request.get("engine_id")
     fingerprints_of = None if content is None else content.fingerprints
     version, digest = record.repair(
-        engine_id, request.get("rows"), request.get("fingerprints"), fingerprints_of
+        engine_id,
+        request.get("rows"),
+        request.get("fingerprints"),
+        fingerprints_of,
+        expected_fingerprints=request.get(msg.EXPECTED_FINGERPRINTS),
     )
     logger.warning(
         "engine %r repaired the expert layout: the weights of the unfinished move's layers were "

@@ -1,6 +1,7 @@
 """Case 4: the daemons case 3 (b) left dirty (a mover SIGKILLed mid-move) are repaired by the
 next engine, without a restart; (b) content that is not a whole expert is refused: a slot left
-half-written after a mover was killed, and a load that left a replica unfilled."""
+half-written after a mover was killed, and a load that left a replica unfilled and an expert's
+only copy empty."""
 
 from __future__ import annotations
 
@@ -219,7 +220,8 @@ def _half_written_slot(
 
 def _unfilled_replica(workspace: Workspace, result: CaseResult) -> None:
     """A daemon holding every slot (EP 1: two copies of experts 0-3) loads with one replica's
-    bytes zero: it refuses fetch_state and begin, naming layer and slots."""
+    bytes zero and expert 5's only copy of layer 1 all -0.0 (no replica to differ from): it
+    refuses fetch_state and begin, naming layers and slots."""
     from sglang_integration.engine import client
     from sglang_integration.testing.daemon_control import request
     from sglang_integration.testing.shared_experts import attach_shared_experts
@@ -227,6 +229,7 @@ def _unfilled_replica(workspace: Workspace, result: CaseResult) -> None:
     expert_dir = workspace.experts("case4-unfilled", ep_size=1)
     for tensor in attach_shared_experts(expert_dir, 0).tensors:
         tensor[5, 10].zero_()  # slot 10 of layer 5: the second copy of expert 2, never filled
+        tensor[1, 5] = -0.0  # slot 5 of layer 1: expert 5's only copy, every value -0.0
     (daemon,) = workspace.daemons("case4-unfilled", experts=expert_dir, count=1)
     layout = client.query(daemon.socket_path).layout
     reason = (layout.dirty_reason or "") if layout is not None else ""
@@ -239,6 +242,13 @@ def _unfilled_replica(workspace: Workspace, result: CaseResult) -> None:
         "yes",
         yes(named),
         named,
+    )
+    only_copy = "layer 1: expert 5 in slot 5 is zero-filled" in reason
+    result.check(
+        "(c) empty only copy (all -0.0) at load: named too",
+        "yes",
+        yes(only_copy),
+        only_copy,
     )
     config = request(daemon.socket_path, {"type": "query_config"})["config"]
     field = {"engine_id": None, "version": 0, "digest": layout.digest if layout else ""}

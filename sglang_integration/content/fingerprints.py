@@ -12,19 +12,45 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 PARTS = 4
-CHUNK_WORDS = 4096
 HEX_PER_PART = 16
-_WEIGHT_BITS = 10  # T_j < 2**10: 4096 * 2**31 * 2**10 = 2**53
 _PRIMES = (2_147_483_647, 2_147_483_629)  # 2**31 - 1 and 2**31 - 19
 _LANE_SHIFT = 31
 _TABLE_SEED = 0x5EED_F1A6
 _MULTIPLIER_SEEDS = (0x1A7E_0001, 0x1A7E_0002)
+
+
+@dataclass(frozen=True)
+class Definition:
+    """The chunk size and weight table of a fingerprint definition (the rest is shared).
+
+    ``DISTINCT`` (the definition, ``CHUNK_WORDS`` 2048): ``T`` is a fixed permutation of
+    ``1..2048``, so no weight repeats within a chunk; ``|S| <= 2**31 * 2048 * 2049 / 2 < 2**53``.
+    ``FIRST`` (the definition before it, 4096 words, 4096 odd weights below 1024 of which only
+    512 distinct): kept for ``scripts/bench_fingerprints.py``'s side-by-side comparison only.
+    """
+
+    name: str
+    chunk_words: int
+
+    def table(self) -> np.ndarray:
+        """``T`` as uint64 (``_Tables`` keeps it per device as float64)."""
+        if self.name == "first":
+            return (_splitmix64(_TABLE_SEED, self.chunk_words) >> np.uint64(54)) | np.uint64(1)
+        order = np.argsort(_splitmix64(_TABLE_SEED, self.chunk_words), kind="stable")
+        result: np.ndarray = (order + 1).astype(np.uint64)
+        return result
+
+
+DISTINCT = Definition("distinct", 2048)
+FIRST = Definition("first", 4096)
+CHUNK_WORDS = DISTINCT.chunk_words
 # Bytes of float64 words held at once: slots and words are taken in blocks below this. A layer
 # costs one read of every byte, each word written and read once as a float64
 # (scripts/bench_fingerprints.py measures it next to a copy of the same bytes).
@@ -48,20 +74,45 @@ class _Tables:
     """The fixed tables of the definition, built on the host once and kept per device."""
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
-    _weights: ClassVar[dict[torch.device, torch.Tensor]] = {}
+    _weights: ClassVar[dict[tuple[torch.device, Definition], torch.Tensor]] = {}
     _multipliers: ClassVar[dict[tuple[torch.device, int], torch.Tensor]] = {}
+    _negative_zeros: ClassVar[dict[Any, torch.Tensor]] = {}
 
     @classmethod
-    def weights(cls, device: torch.device) -> torch.Tensor:
-        """``T``: ``CHUNK_WORDS`` odd values in ``[1, 2**10)``, as float64."""
+    def weights(cls, device: torch.device, definition: Definition = DISTINCT) -> torch.Tensor:
+        """``T`` of ``definition``: ``chunk_words`` values as float64, on ``device``."""
         with cls._lock:
-            table = cls._weights.get(device)
+            table = cls._weights.get((device, definition))
             if table is None:
-                shift = np.uint64(64 - _WEIGHT_BITS)
-                values = (_splitmix64(_TABLE_SEED, CHUNK_WORDS) >> shift) | np.uint64(1)
+                values = definition.table()
                 table = torch.from_numpy(values.astype(np.float64)).to(device)
-                cls._weights[device] = table
+                cls._weights[(device, definition)] = table
             return table
+
+    @classmethod
+    def negative_zeros(
+        cls, tensors: Sequence[torch.Tensor], definition: Definition = DISTINCT
+    ) -> torch.Tensor:
+        """``(PARTS,)``: steps 1-4 of one slot of ``tensors``' shapes whose every floating-point
+        value is -0.0 (its sign bit, the top bit of its last byte, set; other dtypes zero),
+        kept per device and shapes (step 5)."""
+        device = tensors[0].device
+        key = (device, definition, tuple((t.dtype, tuple(t.shape[1:])) for t in tensors))
+        with cls._lock:
+            found = cls._negative_zeros.get(key)
+        if found is not None:
+            return found
+        slots = []
+        for tensor in tensors:
+            one = torch.zeros((1, *tensor.shape[1:]), dtype=tensor.dtype, device=device)
+            if tensor.dtype.is_floating_point and one.numel():
+                raw = one.view(torch.uint8).view(-1, tensor.element_size())
+                raw[:, -1] = 0x80  # little-endian, as torch is on every device it runs on
+            slots.append(one)
+        found = _part_values(slots, 1, definition)[0]
+        with cls._lock:
+            cls._negative_zeros[key] = found
+        return found
 
     @classmethod
     def multipliers(cls, device: torch.device, lane: int, count: int) -> torch.Tensor:
@@ -113,26 +164,30 @@ def _pieces(word_counts: Sequence[int]) -> list[list[tuple[int, int, int]]]:
     return pieces
 
 
-def _chunk_sums(words: torch.Tensor, start: int, end: int, scratch: torch.Tensor) -> torch.Tensor:
+def _chunk_sums(
+    words: torch.Tensor, start: int, end: int, scratch: torch.Tensor, definition: Definition
+) -> torch.Tensor:
     """``(num_slots, chunks)`` int64: step 3 over words ``[start, end)`` of every slot.
 
     The float64 words go through ``scratch``, one buffer for the whole call: a fresh allocation
     per block would cost more in page faults (on a CPU) than the conversion itself.
     """
-    table = _Tables.weights(words.device)
+    chunk = definition.chunk_words
+    table = _Tables.weights(words.device, definition)
+    step = max(chunk, _BLOCK_WORDS // chunk * chunk)
     num_slots = words.shape[0]
-    per_block = max(1, _BUDGET // (8 * min(_BLOCK_WORDS, end - start)))
+    per_block = max(1, _BUDGET // (8 * min(step, end - start)))
     rows = []
     for first in range(0, num_slots, per_block):
         columns = []
-        for low in range(start, end, _BLOCK_WORDS):
-            high = min(end, low + _BLOCK_WORDS)
+        for low in range(start, end, step):
+            high = min(end, low + step)
             source = words[first : first + per_block, low:high]
             block = scratch[: source.numel()].view(source.shape)
             block.copy_(source)  # exact: every int32 is a float64
-            whole = (high - low) // CHUNK_WORDS * CHUNK_WORDS
+            whole = (high - low) // chunk * chunk
             if whole:
-                chunked = block[:, :whole].reshape(block.shape[0], -1, CHUNK_WORDS)
+                chunked = block[:, :whole].reshape(block.shape[0], -1, chunk)
                 columns.append(torch.matmul(chunked, table))
             if whole < high - low:
                 columns.append(torch.matmul(block[:, whole:], table[: high - low - whole])[:, None])
@@ -152,7 +207,9 @@ def _part_value(sums: torch.Tensor) -> torch.Tensor:
     return lanes[0] * (1 << _LANE_SHIFT) + lanes[1]
 
 
-def fingerprint_slots(tensors: list[torch.Tensor], num_slots: int) -> torch.Tensor:
+def fingerprint_slots(
+    tensors: list[torch.Tensor], num_slots: int, *, definition: Definition = DISTINCT
+) -> torch.Tensor:
     """One fingerprint per physical slot of one layer: ``(num_slots, PARTS)`` int64, on the
     tensors' device. ``tensors``: the layer's routed-expert tensors, each with ``num_slots``
     slots in its first dimension, all on one device.
@@ -166,24 +223,41 @@ def fingerprint_slots(tensors: list[torch.Tensor], num_slots: int) -> torch.Tens
        unsigned bytes when odd in number). The slot's word sequence is the tensors' words one after
        the other, ``W`` words.
     2. *Parts*: the sequence is cut into ``PARTS`` (4) ranges, part ``k`` covering positions
-       ``[k*W//4, (k+1)*W//4)``. Each part is cut into *chunks* of at most ``CHUNK_WORDS`` (4096)
+       ``[k*W//4, (k+1)*W//4)``. Each part is cut into *chunks* of at most ``CHUNK_WORDS`` (2048)
        words, also at tensor boundaries; chunks are numbered ``c = 0, 1, ...`` within their part.
     3. A chunk's sum: ``S = sum_j w_j * T_j`` over its words ``w_j`` (``j`` from 0 within the
-       chunk), ``T`` a fixed table of odd numbers in ``[1, 1024)`` (``_Tables``). ``|S| < 2**53``,
-       so it is computed exactly as a float64 matrix-vector product: every product and partial sum
-       is an integer a float64 holds exactly, in any order of addition.
+       chunk), ``T`` a fixed permutation of ``1..2048`` (``Definition.table``: no weight repeats
+       within a chunk). ``|S| <= 2**31 * (1 + ... + 2048) < 2**53``, so it is computed exactly as
+       a float64 matrix-vector product: every product and partial sum is an integer a float64
+       holds exactly, in any order of addition.
     4. A part's value in each of two lanes ``q`` (primes ``P_q`` just below ``2**31``):
        ``sum_c (S_c mod P_q) * M_q[c] mod P_q``, ``M_q`` fixed tables in ``[1, P_q)``, in int64
        without overflow. The part's fingerprint is ``lane_0 * 2**31 + lane_1`` (below
        ``2**62``); ``fingerprint_hex`` writes the four parts as 16 hex digits each, 64 in all.
+    5. *Empty parts*: a part whose value is that of the same part of a slot in which every
+       floating-point value is -0.0 (the sign bit alone set; integer tensors 0) is 0, as a part of
+       zero bytes is. So a never-filled slot is 0 in every part whether it holds +0.0 or -0.0.
 
     Why it tells the cases apart: a slot that holds another expert differs in (nearly) every part; a
     slot half overwritten with another expert's bytes keeps the parts that were not touched and
     changes the others, so a reader that knows every expert's parts sees "parts 0-1 of expert X,
-    parts 2-3 of expert Y" (``layout_ledger.core.content``); a zero-filled slot gives 0 in every
-    part, which no real expert does. Any single changed word changes its part (``T_j`` is odd and
-    below both primes); two different random contents collide in a part with probability about
-    ``2**-62``. It is a check against accidents, not against an adversary.
+    parts 2-3 of expert Y" (``layout_ledger.core.content``); a zero-filled slot (+0.0 or -0.0
+    throughout) gives 0 in every part, which no real expert does.
+
+    What it detects (derived here; ``tests/test_fingerprints.py`` and
+    ``scripts/bench_fingerprints.py --detection`` measure it):
+
+    - always: any change of one word (the chunk sum moves by ``d * T_j``, ``0 < |d * T_j| <
+      2**43``: no multiple of ``P_0 * P_1``, so at least one lane moves, ``M_q[c]`` being non-zero
+      modulo its prime); any exchange of two different words within one chunk, adjacent (a
+      shift by one place) or at any distance (a swap, a transposition): the sum moves by
+      ``(w_i - w_k) * (T_k - T_i)``, non-zero because no weight repeats, and below ``2**43``;
+    - with probability about ``2**-62`` of being missed: any other change, such as words
+      exchanged between two chunks of a part, or two other contents, for bytes that do not
+      depend on the fixed tables (per lane the part value moves by a sum over chunks that the
+      random multipliers make zero with probability about ``1 / P_q``);
+    - never: a change made to cancel (a chosen ``+T_k`` at word ``j`` and ``-T_j`` at word ``k``):
+      it is a check against accidents, not against an adversary.
     """
     if not tensors:
         raise ValueError("a layer needs at least one routed-expert tensor to fingerprint")
@@ -191,12 +265,25 @@ def fingerprint_slots(tensors: list[torch.Tensor], num_slots: int) -> torch.Tens
     if len(devices) != 1:
         raise ValueError(f"a layer's routed-expert tensors are on several devices: {devices}")
     with torch.no_grad():
+        values = _part_values(tensors, num_slots, definition)
+        empty = _Tables.negative_zeros(tensors, definition)
+        return torch.where(values == empty, torch.zeros_like(values), values)
+
+
+def _part_values(
+    tensors: Sequence[torch.Tensor], num_slots: int, definition: Definition
+) -> torch.Tensor:
+    """Steps 1-4: ``(num_slots, PARTS)`` int64."""
+    with torch.no_grad():
         words = [_slot_words(tensor, num_slots) for tensor in tensors]
         largest = max(min(_BUDGET // 8, w.numel()) for w in words)
         scratch = torch.empty(largest, dtype=torch.float64, device=words[0].device)
         values = []
         for pieces in _pieces([w.shape[1] for w in words]):
-            sums = [_chunk_sums(words[index], start, end, scratch) for index, start, end in pieces]
+            sums = [
+                _chunk_sums(words[index], start, end, scratch, definition)
+                for index, start, end in pieces
+            ]
             values.append(_part_value(torch.cat(sums, dim=1) if sums else _no_sums(words[0])))
         return torch.stack(values, dim=1)
 

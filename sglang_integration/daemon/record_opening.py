@@ -78,7 +78,18 @@ def loaded_fingerprints(slots: ModelSlots | None, mode: ContentCheck) -> LocalFi
 
 
 def check_loaded_content(record: LayoutRecord, mode: ContentCheck) -> None:
-    """Replicas must hold the same bytes; ``enforce`` marks the daemon dirty when they do not."""
+    """Replicas must hold the same bytes; ``enforce`` marks the daemon dirty when they do not.
+    Experts that hold the same bytes (tied) are logged once: the checks compare their bytes."""
+    tied = record.known.tied()
+    if tied:
+        logger.warning(
+            "logical experts with identical bytes (tied; the content checks compare bytes, not "
+            "names, so their slots may hold either): %s",
+            "; ".join(
+                f"layer {layer}: " + ", ".join("/".join(map(str, group)) for group in groups)
+                for layer, groups in tied.items()
+            ),
+        )
     problem = record.check_loaded_content(enforce=mode is ContentCheck.ENFORCE)
     if problem is None:
         return

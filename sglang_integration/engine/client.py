@@ -143,9 +143,15 @@ def repair(
     rows: Mapping[int, Sequence[int]],
     fingerprints: Mapping[int, Sequence[str]],
     timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    *,
+    expected_fingerprints: Mapping[int, Mapping[int, str]] | None = None,
 ) -> Reply:
-    """``expert_layout_repair``: an ``ok`` body has the new version and digest."""
-    return _request(socket_path, RepairRequest(engine_id, rows, fingerprints), timeout)
+    """``expert_layout_repair``: an ``ok`` body has the new version and digest.
+
+    ``expected_fingerprints``: ``{layer: {expert: fingerprint}}`` of the experts the rows name
+    in the daemon's local slots (it accepts a slot named as an expert it never held only so)."""
+    request = RepairRequest(engine_id, rows, fingerprints, expected_fingerprints)
+    return _request(socket_path, request, timeout)
 
 
 # --- internals -----------------------------------------------------------------------------

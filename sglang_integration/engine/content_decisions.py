@@ -1,8 +1,9 @@
 """The engine ranks' pure decisions about slot content: expected contents, repairs, load checks.
 
-Like ``agreement``, every function here turns all-gathered values into the same result on every
-rank (no I/O, no torch). At startup each rank asks its daemon for its content
-(``expert_layout_content_check``) and describes the answer as a ``RankContent``; then:
+Like the layout decisions of ``layout_ledger.core.startup_verdict``, every function here turns
+all-gathered values into the same result on every rank (no I/O, no torch). At startup each rank
+asks its daemon for its content (``expert_layout_content_check``) and describes the answer as a
+``RankContent``; then:
 
 - ``expected_contents``: every daemon recorded its slots' fingerprints at the version the
   engine adopts, so every rank learns each logical expert's fingerprint per layer, from all of
@@ -15,11 +16,13 @@ rank (no I/O, no torch). At startup each rank asks its daemon for its content
   logical expert in at least one slot of each layer): then a ``RepairPlan``, else the startup
   failure, naming the slots whose content is unknown or partial.
 - ``loaded_slot_problems``: after the weights are loaded, each rank's own slots must hold the
-  experts the adopted map names.
+  experts the adopted map names; a slot whose expected expert no daemon recorded content for
+  (every copy of it was zero-filled at their load) is refused, never skipped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,6 +116,9 @@ class RepairPlan:
     rows: dict[int, list[int]]
     physical_to_logical_map: Map  # the whole map after the repair
     fingerprints: dict[int, dict[int, list[str]]]  # rank -> layer -> its local slots
+    # rank -> layer -> expert -> fingerprint: each expert the rows name in the rank's local
+    # slots, as the daemon that holds it recorded it (the repair's expected_fingerprints)
+    expected: dict[int, dict[int, dict[int, str]]] = dataclasses.field(default_factory=dict)
 
     @property
     def digest(self) -> str:
@@ -160,7 +166,25 @@ def plan_repair(
         for rank, view in views
     }
     mover = next((v.dirty_move.engine_id for _, v in views if v.dirty_move is not None), "")
-    return RepairPlan(base_version, layers, mover, derived, new_map, prints)
+    expected = {rank: _named_fingerprints(view, derived, known) for rank, view in views}
+    return RepairPlan(base_version, layers, mover, derived, new_map, prints, expected)
+
+
+def _named_fingerprints(
+    view: ContentView, rows: dict[int, list[int]], known: ExpertContents
+) -> dict[int, dict[int, str]]:
+    """Per repaired layer, the fingerprint of each expert ``rows`` names in ``view``'s slots."""
+    found: dict[int, dict[int, str]] = {}
+    for layer, row in rows.items():
+        if layer not in view.current:
+            continue
+        of_layer: dict[int, str] = {}
+        for slot, _ in LocalFingerprints(view.first_slot, view.current).slots(layer):
+            fingerprint = known.fingerprint_of(layer, row[slot])
+            if fingerprint is not None:
+                of_layer[row[slot]] = fingerprint
+        found[layer] = of_layer
+    return found
 
 
 def _no_repair(failure: FailStartup, why: str) -> FailStartup:
@@ -201,7 +225,7 @@ def _derive_rows(
         if all(layer not in view.current for _, view in views):
             rows[layer] = list(base_map[layer])  # no routed-expert tensors: no move changes it
             continue
-        row, layer_problems = _held_row(views, layer, len(base_map[layer]), known)
+        row, layer_problems = _held_row(views, layer, base_map[layer], known)
         problems += layer_problems
         if layer_problems:
             continue
@@ -216,9 +240,13 @@ def _derive_rows(
 
 
 def _held_row(
-    views: list[tuple[int, ContentView]], layer: int, num_slots: int, known: ExpertContents
+    views: list[tuple[int, ContentView]],
+    layer: int,
+    base_row: Sequence[int],
+    known: ExpertContents,
 ) -> tuple[list[int], list[str]]:
     """The experts one layer's slots hold, by every daemon's fingerprints, and the problems."""
+    num_slots = len(base_row)
     row: list[int | None] = [None] * num_slots
     problems: list[str] = []
     for rank, view in views:
@@ -227,10 +255,13 @@ def _held_row(
             continue
         for slot, fingerprint in LocalFingerprints(view.first_slot, view.current).slots(layer):
             held = known.identify(layer, fingerprint)
-            if held.expert is None:
+            if not held.whole_expert:
                 problems.append(f"rank {rank} layer {layer} slot {slot} holds {held.text}")
             elif slot < num_slots:
-                row[slot] = held.expert
+                # tied experts (the same bytes): the name the base map gave the slot, if it is
+                # one of them (bytes cannot tell them apart), else the first
+                named = base_row[slot] if slot < len(base_row) else None
+                row[slot] = named if named in held.experts else held.experts[0]
     uncovered = [slot for slot, value in enumerate(row) if value is None]
     if uncovered and not problems:
         problems.append(f"layer {layer} slots {uncovered} are on no daemon")
@@ -249,9 +280,15 @@ def loaded_slot_problems(
         for slot, fingerprint in local.slots(layer):
             named = int(the_map[layer][slot])
             expected = known.fingerprint_of(layer, named)
-            if expected is None or expected == fingerprint:
+            if expected == fingerprint:
                 continue
             held = known.identify(layer, fingerprint)
+            if expected is None:  # every copy was empty at the daemons' load: nothing to match
+                problems.append(
+                    f"rank {rank} layer {layer} slot {slot}: expected expert {named}, which no "
+                    f"daemon recorded content for (holds {held.text})"
+                )
+                continue
             problems.append(
                 f"rank {rank} layer {layer} slot {slot}: expected expert {named}, holds {held.text}"
             )

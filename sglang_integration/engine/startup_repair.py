@@ -143,7 +143,11 @@ def _repair(world: Any, plan: RepairPlan, this: StartupRank) -> AdoptLayout | Fa
     rank, socket_path = this.rank, this.socket_path
     try:
         reply = client.repair(
-            socket_path, this.engine_id, plan.rows, plan.fingerprints.get(rank, {})
+            socket_path,
+            this.engine_id,
+            plan.rows,
+            plan.fingerprints.get(rank, {}),
+            expected_fingerprints=plan.expected.get(rank, {}),
         ).trimmed()
     except Exception as exc:  # every rank must reach the all-gather
         logger.exception("Repairing the layout of the daemon at %s failed", socket_path)

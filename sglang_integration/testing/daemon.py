@@ -30,7 +30,7 @@ from layout_ledger.core.record import LayoutRecord
 from layout_ledger.store.ledger import Ledger
 from layout_ledger.store.origin import IncarnationOrigin
 from layout_ledger.store.retention import Retention
-from layout_ledger.wire.service import LayoutService
+from layout_ledger.wire.service import ContentSource, LayoutService
 from sglang_integration import settings
 from sglang_integration.settings import CONTENT_CHECK, REQUEST_TIMEOUT, ContentCheck
 from sglang_integration.testing.expert_files import ExpertFilesError
@@ -105,6 +105,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "sglang_integration.testing.expert_files) and fingerprint them",
     )
     parser.add_argument("--expert-rank", type=int, default=0, metavar="R")
+    parser.add_argument(
+        "--fingerprint-gate",
+        metavar="DIR",
+        help="a test's hook point: each fingerprinting of every slot after the load (a content "
+        "check's, a repair's) writes DIR/read-N once the slots are read, then waits for DIR/go-N "
+        "before the daemon compares them (testing.expert_files.GatedSlots)",
+    )
     parser.add_argument(
         "--expert-layout-content-check",
         choices=settings.CHOICES,
@@ -251,7 +258,7 @@ def open_layout_service(
         loaded_fingerprints,
         open_ledger_record,
     )
-    from sglang_integration.testing.expert_files import expert_file_slots
+    from sglang_integration.testing.expert_files import GatedSlots, expert_file_slots
 
     if args.no_record:
         return LayoutService(None), None
@@ -263,10 +270,13 @@ def open_layout_service(
     if args.experts and mode is not ContentCheck.OFF:
         slots = expert_file_slots(args.experts, args.expert_rank, geometry)
     content = loaded_fingerprints(slots, mode)
+    source: ContentSource | None = slots
+    if slots is not None and args.fingerprint_gate:
+        source = GatedSlots(slots, args.fingerprint_gate)
     if args.in_memory:
         record = LayoutRecord.in_memory(geometry, initial_map, content=content)
         check_loaded_content(record, mode)
-        return LayoutService(record, slots), None
+        return LayoutService(record, source), None
     ledger, record = open_ledger_record(
         args.ledger,
         geometry,
@@ -285,7 +295,7 @@ def open_layout_service(
         content=content,
     )
     check_loaded_content(record, mode)
-    return LayoutService(record, slots), ledger
+    return LayoutService(record, source), ledger
 
 
 def content_mode(args: argparse.Namespace) -> ContentCheck:

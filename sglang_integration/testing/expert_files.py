@@ -18,10 +18,13 @@ all). The format (version 1), written by the test harness
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from layout_ledger.core.content import LocalFingerprints
 from layout_ledger.core.layout import Geometry
 from sglang_integration.content.model_slots import ModelSlots
 
@@ -104,3 +107,35 @@ def expert_file_slots(directory: str | Path, rank: int, geometry: Geometry) -> M
             f"{geometry.num_logical_experts}"
         )
     return ModelSlots(lambda: routed, rank * shape.num_local_slots, shape.num_local_slots)
+
+
+GATE_TIMEOUT = 60.0
+
+
+class GatedSlots:
+    """``slots`` with a test's hook point (the model-less daemon's ``--fingerprint-gate DIR``).
+
+    Each fingerprinting of every slot (``layers`` None: a content check's, a repair's; a
+    commit's of its layers is not gated) reads the slots, writes ``DIR/read-N`` (N = 1, 2, ...)
+    and waits for ``DIR/go-N`` (at most ``GATE_TIMEOUT`` s) before it returns what it read, so a
+    test can run a begin, a move and a commit between the read and the daemon's comparison.
+    """
+
+    def __init__(self, slots: ModelSlots, directory: str | Path) -> None:
+        self._slots = slots
+        self._directory = Path(directory)
+        self._count = 0
+        self.first_slot = slots.first_slot
+        self.num_slots = slots.num_slots
+
+    def fingerprints(self, layers: Sequence[int] | None = None) -> LocalFingerprints:
+        found = self._slots.fingerprints(layers)
+        if layers is not None:
+            return found
+        self._count += 1
+        (self._directory / f"read-{self._count}").touch()
+        go = self._directory / f"go-{self._count}"
+        deadline = time.monotonic() + GATE_TIMEOUT
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return found

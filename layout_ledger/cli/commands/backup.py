@@ -131,7 +131,10 @@ def _revision(conn: Connection, source: Path) -> str:
 
 def _copy(source: sqlite3.Connection, output: Path) -> Path:
     """The whole database, in one backup step, into a new private file beside ``output``."""
-    fd, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
+    except OSError as exc:  # a read-only or unwritable directory: one line, exit 1
+        raise LedgerError(f"cannot write the backup {output}: {exc.strerror}") from exc
     os.close(fd)
     temporary = Path(name)
     try:

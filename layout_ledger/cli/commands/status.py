@@ -27,6 +27,7 @@ from layout_ledger.cli.output import emit, print_error
 from layout_ledger.cli.path_expansion import expand_ledger_paths, names_many
 from layout_ledger.cli.pending_moves import pending_text, pending_wire
 from layout_ledger.core import events as ev
+from layout_ledger.core.content import ExpertContents
 from layout_ledger.core.errors import LedgerError, LedgerFileError
 from layout_ledger.core.state import Cordon, DirtyMark, PendingMove
 from layout_ledger.history.liveness import Liveness, daemon_liveness
@@ -34,7 +35,14 @@ from layout_ledger.history.reader import LedgerReader
 from layout_ledger.history.retirement import RetirementStep, current_retirement
 from layout_ledger.store.origin import IncarnationOrigin
 from layout_ledger.store.replay import replayed
-from layout_ledger.store.rows import Incarnation, current_version, incarnation, reconstructible_from
+from layout_ledger.store.rows import (
+    Incarnation,
+    current_version,
+    fingerprints_at,
+    incarnation,
+    map_at,
+    reconstructible_from,
+)
 from layout_ledger.wire.protocol import pending_to_wire
 
 # Refusals make ``state: refusals`` (exit 4) only while the newest of them is this recent: a
@@ -134,6 +142,9 @@ class StatusReport(JsonShaped):
     busy_begins: int = 0
     cordon: Cordon | None = field(default=None, metadata=json_field(convert=_cordon_json))
     retired: RetirementStep | None = field(default=None, metadata=json_field(convert=_step_json))
+    # Per layer, the groups of logical experts the daemon's recorded slots show with the same
+    # bytes (tied), from the fingerprints and the map at the current version.
+    tied_experts: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def state(self) -> str:
@@ -224,7 +235,24 @@ def collect_status(
             busy_begins=busy,
             cordon=derived.cordon,
             retired=current_retirement(ledger.path, i) if is_latest else None,
+            tied_experts=_tied_experts(conn, inc, version),
         )
+
+
+def _tied_experts(conn: Any, inc: Incarnation, version: int) -> dict[int, list[tuple[int, ...]]]:
+    """The tied experts the recorded fingerprints show at ``version`` (none when unrecorded, or
+    when the rows cannot be read: ``verify`` names those, status reports the state)."""
+    try:
+        recorded = fingerprints_at(conn, inc, version)
+        if recorded is None:
+            return {}
+        the_map = map_at(conn, inc, version)
+    except LedgerError:
+        return {}
+    known = ExpertContents()
+    for layer in recorded.layers:
+        known.learn_slots(layer, the_map[layer], recorded)
+    return known.tied()
 
 
 @dataclass(frozen=True)
@@ -403,6 +431,12 @@ def _optional_rows(report: StatusReport) -> list[tuple[str, str]]:
     if report.retired is not None:
         step = report.retired
         rows.append(("retired", f"since {step.at} by {step.by}: {step.reason}"))
+    if report.tied_experts:
+        groups = "; ".join(
+            f"layer {layer}: " + ", ".join("/".join(map(str, group)) for group in found)
+            for layer, found in report.tied_experts.items()
+        )
+        rows.append(("tied experts", f"{groups} (the same bytes: checks compare bytes)"))
     return rows
 
 
