@@ -28,13 +28,14 @@ from sqlalchemy import (
 # Mixed versions: a writer upgrades an older file to this revision when it opens it; a file at
 # a revision not in KNOWN_REVISIONS was written by newer code and is refused by every opener,
 # read-only ones included, because its tables may no longer mean what this code assumes.
-SCHEMA_HEAD = "0005_slot_fingerprints"
+SCHEMA_HEAD = "0006_engine_roles"
 KNOWN_REVISIONS = (
     "0001_initial",
     "0002_forensic_views",
     "0003_event_counts_and_chain",
     "0004_incarnation_origin",
     "0005_slot_fingerprints",
+    "0006_engine_roles",
 )
 
 metadata = MetaData()
