@@ -75,9 +75,9 @@ def parse(text: str) -> dict[tuple[str, str], Any]:
                 key = (f"{sample.name}:{sample.labels['kind']}", sample.labels["ledger"])
             if sample.name == "sglang_expert_layout_begin_refusals_total":
                 key = (f"{sample.name}:{sample.labels['reason']}", sample.labels["ledger"])
-            if sample.name == "sglang_expert_layout_attached_engines":
-                if sample.labels["role"] != "active":
-                    continue  # the standby series (0 here): tests/test_standby_leases.py
+            is_attached = sample.name == "sglang_expert_layout_attached_engines"
+            if is_attached and sample.labels["role"] != "active":
+                continue  # the standby series (0 here): tests/test_standby_leases.py
             samples[key] = sample
     return samples
 
