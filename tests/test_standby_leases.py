@@ -241,8 +241,9 @@ def test_the_service_answers_attach_with_the_role_and_lease_and_release_with_ok(
     assert "S" in reply["layout"]["standbys"] and reply["layout"]["leases"] == []
     reply = service.handle({"type": msg.ATTACH, "engine_id": "B"})
     assert msg.reply_role(reply) == "active"
-    assert service.handle(msg.LeaseRequest("S").to_wire()) == {"status": "ok"}
-    assert service.handle(msg.LeaseRequest("S").to_wire()) == {"status": "ok"}  # held: no change
+    granted = {"status": "ok", "version": 0, "digest": record.digest}
+    assert service.handle(msg.LeaseRequest("S").to_wire()) == granted
+    assert service.handle(msg.LeaseRequest("S").to_wire()) == granted  # held: no change
     assert service.handle(msg.LeaseRequest("B").to_wire())["status"] == "refused"
     assert service.handle(msg.ReleaseRequest("S").to_wire()) == {"status": "ok"}
     service.handle({"type": msg.ABORT, "engine_id": "A"})

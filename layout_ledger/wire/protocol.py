@@ -508,6 +508,12 @@ def attach_reply(layout: LayoutView, role: str) -> dict[str, Any]:
     return {"status": OK, "layout": layout.to_wire(), ROLE_FIELD: role}
 
 
+def lease_reply(version: int, digest: str) -> dict[str, Any]:
+    """``ok`` to a lease: the version and digest the daemon holds (no move can change them while
+    the lease lasts)."""
+    return {"status": OK, "version": version, "digest": digest}
+
+
 def reply_role(raw: Mapping[str, Any]) -> str | None:
     """The role an ok attach reply names; None when it names none (a daemon from before roles)
     or something that is not a role."""
@@ -660,7 +666,7 @@ class Reply:
                 f"the daemon at {peer} answered {request_type} ok without a layout",
                 raw,
             )
-        if request_type in (COMMIT, REPAIR):
+        if request_type in (COMMIT, REPAIR, LEASE):
             try:
                 Committed.from_wire(raw)
             except ProtocolViolation:

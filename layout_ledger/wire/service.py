@@ -61,9 +61,12 @@ def _attach(record: LayoutRecord, request: Request, content: ContentSource | Non
 
 def _lease(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
     engine_id = request.get("engine_id")
-    if record.lease(engine_id):
-        logger.info("standby %r took its lease at layout version %d", engine_id, record.version)
-    return msg.ok_reply()
+    with record.lock:  # the reply names the version the lease was granted at
+        granted = record.lease(engine_id)
+        version, digest = record.version, record.digest
+    if granted:
+        logger.info("standby %r took its lease at layout version %d", engine_id, version)
+    return msg.lease_reply(version, digest)
 
 
 def _release(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
