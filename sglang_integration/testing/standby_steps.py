@@ -72,7 +72,7 @@ def _forward(gate: Any) -> dict[str, Any]:
     metadata = get_global_expert_location_metadata()
     addresses = _addresses(metadata)
 
-    def original(runner: Any, batch: Any) -> str:
+    def original(runner: Any, batch: Any) -> Any:
         import torch.distributed as dist
         from sglang.srt.runtime_context import get_parallel
 
