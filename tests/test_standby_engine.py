@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_engine_startup_hook import EngineRanks, sglang_context
+from test_engine_startup_hook import INITIAL as HOOK_INITIAL
+from test_engine_startup_hook import (
+    EngineRanks,
+    models,  # noqa: F401 (fixtures of the one-rank engine)
+    one_rank,  # noqa: F401
+    scripted_peer,
+    sglang_context,
+    warnings_of,
+)
 from test_engine_startup_ranks import (
     FIRST_MOVE,
     INITIAL,
@@ -281,3 +289,53 @@ def test_a_standbys_eof_never_dirties_the_daemon(tmp_path: Path) -> None:
             mover.commit(FIRST_MOVE)
         finally:
             mover.exit()
+
+
+def _daemon_before_roles(layout: dict[str, Any]) -> Any:
+    """A daemon of this plugin from before roles: attach and query answer the layout without a
+    role (nor standbys, nor leases); the requests it does not know get sglang's reply."""
+
+    def handle(conn: Any) -> None:
+        from sglang.srt.weight_cache.protocol import recv_msg, send_msg
+
+        request = recv_msg(conn)
+        kind = request.get("type")
+        if kind in ("expert_layout_attach", "expert_layout_query"):
+            send_msg(conn, {"status": "ok", "layout": layout})
+        else:
+            send_msg(conn, {"status": "error", "message": f"Unknown request type: {kind}"})
+
+    return handle
+
+
+@pytest.mark.timeout(180)
+def test_a_standby_on_a_daemon_from_before_roles_runs_as_active_and_warns_once(
+    one_rank: EngineRanks,  # noqa: F811 (the fixture imported above)
+    models: dict[str, Path],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    layout = {
+        "version": 0,
+        "digest": layout_digest(HOOK_INITIAL),
+        "physical_to_logical_map": HOOK_INITIAL,
+        "dirty": False,
+        "dirty_reason": None,
+        "pending": None,
+        "attached": [],
+        "non_following_fetch": False,
+    }
+    with scripted_peer(tmp_path / "d.sock", _daemon_before_roles(layout)):
+        (report,) = one_rank.run(
+            {
+                "model_dir": str(models["moe"]),
+                "args": {"weight_cache_mode": "client"},
+                "sockets": [str(tmp_path / "d.sock")],
+                "env": {"SGLANG_EXPERT_LAYOUT_ROLE": "standby"},
+                "then": [["forward"]],
+            }
+        )
+    assert report["error"] is None, report.get("traceback")
+    assert report["gate"] is None  # no gate: an active engine's forward runs at once
+    assert report["forwards"] and report["raised"] is None
+    warned = [text for text in warnings_of(report) if "know no roles" in text]
+    assert len(warned) == 1 and "runs as an active engine" in warned[0]
