@@ -4,10 +4,10 @@ sglang's ``load_plugins()`` calls ``register()`` early in every engine process
 (``UPSTREAM_LINES``), then ``HookRegistry.apply_hooks()``. It registers, all ``HookType.AROUND``:
 engine startup (``engine.startup``), the check after the weights are loaded
 (``engine.load_check``), the IPC loader's fetch (``engine.ipc_loader``), rebalancing
-(``engine.rebalance``), and ``spawn_weight_cache_daemon``, so that the daemons an engine starts
-in ``--weight-cache-mode daemon`` run hooked (``daemon.hooks``). The daemon process itself
-never loads plugins: ``python -m sglang_integration.daemon`` and spawned daemons install the
-daemon hooks themselves.
+(``engine.rebalance``), a standby's forward passes (``engine.standby``), and
+``spawn_weight_cache_daemon``, so that the daemons an engine starts in ``--weight-cache-mode
+daemon`` run hooked (``daemon.hooks``). The daemon process itself never loads plugins:
+``python -m sglang_integration.daemon`` and spawned daemons install the daemon hooks themselves.
 
 Importing this module does nothing: every import and registration happens inside ``register``.
 """
@@ -38,7 +38,7 @@ def register() -> None:
     from sglang_integration.daemon import hooks as daemon_hooks
     from sglang_integration.engine import ipc_loader as loader_hooks
     from sglang_integration.engine import load_check as loaded_content
-    from sglang_integration.engine import rebalance
+    from sglang_integration.engine import rebalance, standby, standby_follow
     from sglang_integration.engine import startup as engine_startup
 
     around = HookType.AROUND
@@ -51,4 +51,7 @@ def register() -> None:
     for target, hook in loader_hooks.HOOKS:
         HookRegistry.register(target, hook, around)
     HookRegistry.register(rebalance.HOOK_TARGET, rebalance.rebalance_around, around)
+    HookRegistry.register(standby.HOOK_TARGET, standby.around_forward, around)
+    if standby_follow.follow_adopted_version not in standby.FOLLOWERS:
+        standby.FOLLOWERS.append(standby_follow.follow_adopted_version)
     daemon_hooks.register_spawn_hook()

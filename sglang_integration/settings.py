@@ -78,6 +78,18 @@ DEFAULT_WAIT_TIMEOUT = 300.0
 # Wrong content routes tokens to the wrong expert without any error: refuse it by default.
 DEFAULT_CONTENT_CHECK = ContentCheck.ENFORCE
 
+# An engine attaches as an active engine (it serves and may move experts, as every engine before
+# roles did) unless it is started as a warm standby.
+ROLE_ACTIVE = "active"
+ROLE_STANDBY = "standby"
+ROLE_CHOICES = (ROLE_ACTIVE, ROLE_STANDBY)
+DEFAULT_ROLE = ROLE_ACTIVE
+
+# Seconds without a forward pass after which a standby releases its lease: long enough that a
+# standby serving a steady trickle keeps it (no lease round trip per batch), short enough that a
+# standby that served only sglang's warmup request stops pausing the mover's rebalancing soon.
+DEFAULT_STANDBY_IDLE = 30.0
+
 # --- The rows ----------------------------------------------------------------------------------
 
 T = TypeVar("T")
@@ -189,6 +201,13 @@ def seconds_from_zero(raw: str, name: str) -> float:
     return value
 
 
+def engine_role(raw: str, name: str) -> str:
+    role = raw.strip().lower()
+    if role not in ROLE_CHOICES:
+        raise SettingError(f"{name}={raw!r} is not one of {', '.join(ROLE_CHOICES)}")
+    return role
+
+
 def content_check_mode(raw: str, name: str) -> ContentCheck:
     try:
         return ContentCheck(raw.strip().lower())
@@ -247,6 +266,23 @@ CONTENT_CHECK: Setting[ContentCheck] = Setting(
     choices=CHOICES,
 )
 
+ROLE: Setting[str] = Setting(
+    env="SGLANG_EXPERT_LAYOUT_ROLE",
+    flag=None,
+    default=DEFAULT_ROLE,
+    parse=engine_role,
+    help="the engine's role on its daemons: active (serves, may move experts) or standby (holds "
+    "no lease until it serves, so the active engine keeps rebalancing)",
+    choices=ROLE_CHOICES,
+)
+STANDBY_IDLE: Setting[float] = Setting(
+    env="SGLANG_EXPERT_LAYOUT_STANDBY_IDLE",
+    flag=None,
+    default=DEFAULT_STANDBY_IDLE,
+    parse=positive_seconds,
+    help="seconds without a forward pass after which a standby releases its lease",
+)
+
 # Every row, in the README table's order.
 SETTINGS: tuple[Setting[Any], ...] = (
     LEDGER_TEMPLATE,
@@ -255,6 +291,8 @@ SETTINGS: tuple[Setting[Any], ...] = (
     REQUEST_TIMEOUT,
     WAIT_TIMEOUT,
     CONTENT_CHECK,
+    ROLE,
+    STANDBY_IDLE,
 )
 # (flag, row) of every row the daemon launcher has a flag for.
 DAEMON_FLAGS = tuple((setting.flag, setting) for setting in SETTINGS if setting.flag is not None)

@@ -8,6 +8,8 @@ timestamp the ledger asks for is 2026-01-01T00:00:00+00:00 plus n seconds. The b
 - ``dirty``: an engine detached (EOF) while its move was pending; then two refusals.
 - ``mid_move``: an engine's move is pending.
 - ``refusals``: nothing wrong with the layout, but the daemon refused a request.
+- ``standby``: an active engine moves with a standby attached; the standby takes, releases and
+  takes again its lease.
 
 ``build`` runs a builder in a child process that then exits without closing anything, as a
 killed daemon would: the incarnation stays unended and the writer lock is released by the
@@ -129,11 +131,25 @@ def _refusals(path: Path) -> None:
     record.record_refusal("attach", "engine-a", "engine 'engine-a' is already attached")  # t2
 
 
+def _standby(path: Path) -> None:
+    ledger = Ledger.open(path)
+    record = start(ledger)  # t0
+    record.attach("engine-a")  # t1
+    record.attach("engine-c", "standby")  # t2: attached, no lease
+    commit(record, "engine-a", MOVES[0])  # t3, t4 -> v1 (the standby does not count)
+    record.lease("engine-c")  # t5: it serves
+    record.record_refusal("begin", "engine-a", "other engines are attached", busy=True)  # t6
+    record.release("engine-c")  # t7
+    commit(record, "engine-a", MOVES[1])  # t8, t9 -> v2
+    record.lease("engine-c")  # t10: holds a lease now
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
     "clean": _clean,
     "dirty": _dirty,
     "mid_move": _mid_move,
     "refusals": _refusals,
+    "standby": _standby,
 }
 
 

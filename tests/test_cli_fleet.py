@@ -54,6 +54,8 @@ def test_sixteen_agreeing_ranks_adopt_their_version_and_exit_0(engine, capsys):
         "reason": f"every daemon holds version 3 (digest {digest[:12]}), none dirty, no move "
         "pending: an engine starting now routes with it",
         "engine_reason": None,
+        "mover": "engine-a",
+        "moves": "engine engine-a may move (the one lease holder on every daemon)",
     }
     rows = report["ledgers"]
     assert [row["rank"] for row in rows] == list(range(RANKS))
@@ -203,10 +205,11 @@ def test_the_human_table_has_one_row_per_ledger_and_a_summary_not_every_rank(eng
         str(engine.paths[0]),
     ]
     assert lines[2].split()[-2] == "dirty"
-    assert len(lines) == 1 + RANKS + 3
-    assert lines[-3:-1] == ["", "verdict: fail"]
-    assert lines[-1].startswith("  ranks 1-2 dirty: engine 'engine-a' detached")
-    assert lines[-1].endswith(f"; ranks 0,3-15 at version 3 (digest {digest})")
+    assert len(lines) == 1 + RANKS + 4
+    assert lines[-4:-2] == ["", "verdict: fail"]
+    assert lines[-2].startswith("  ranks 1-2 dirty: engine 'engine-a' detached")
+    assert lines[-2].endswith(f"; ranks 0,3-15 at version 3 (digest {digest})")
+    assert lines[-1] == "  moves: no engine may move: a daemon is dirty (see the verdict)"
 
 
 def test_fleet_verify_runs_verify_on_every_ledger_one_line_each(engine, tmp_path, capsys):

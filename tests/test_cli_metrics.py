@@ -58,6 +58,9 @@ SERIES = {
     "sglang_expert_layout_begin_refusals_total",
     "sglang_expert_layout_ledger_retired",
     "sglang_expert_layout_exporter_collected_timestamp_seconds",
+    # issue 21: standbys' leases
+    "sglang_expert_layout_standby_leases",
+    "sglang_expert_layout_lease_holders",
     "sglang_expert_layout_exporter_collect_seconds",
 }
 
@@ -72,6 +75,9 @@ def parse(text: str) -> dict[tuple[str, str], Any]:
                 key = (f"{sample.name}:{sample.labels['kind']}", sample.labels["ledger"])
             if sample.name == "sglang_expert_layout_begin_refusals_total":
                 key = (f"{sample.name}:{sample.labels['reason']}", sample.labels["ledger"])
+            is_attached = sample.name == "sglang_expert_layout_attached_engines"
+            if is_attached and sample.labels["role"] != "active":
+                continue  # the standby series (0 here): tests/test_standby_leases.py
             samples[key] = sample
     return samples
 

@@ -18,7 +18,7 @@ from layout_ledger.core.layout import layout_digest
 from layout_ledger.store.schema import SCHEMA_HEAD
 
 
-@pytest.mark.parametrize("kind", ["clean", "dirty", "mid_move", "refusals"])
+@pytest.mark.parametrize("kind", ["clean", "dirty", "mid_move", "refusals", "standby"])
 def test_verify_passes_on_every_history_the_ledger_writes(tmp_path, capsys, kind):
     path = build(kind, tmp_path / "l.sqlite")
     code, out, err = run_cli(capsys, "verify", str(path))

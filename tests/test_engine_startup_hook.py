@@ -263,6 +263,11 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     from sglang_integration.engine import weight_source
     from sglang_integration.engine.metadata import map_of
 
+    if scenario.get("continue"):  # a later phase of the same start (tests/test_standby_engine.py)
+        report = {"rank": rank, "error": None}
+        _then(scenario, rank, report)
+        report["logs"] = capture.take()
+        return report
     engine_startup.close_session()
     weight_source._ThisRank.source = None
     get_resources().expert_location_metadata = None
@@ -305,10 +310,25 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     )
     if scenario.get("fetch") and report["error"] is None:
         report["fetch"] = _fetch(scenario, rank, model_config)
+    if report["error"] is None:
+        _then(scenario, rank, report)
     report["logs"] = capture.take()
     for key in scenario.get("env", {}):
         os.environ.pop(key, None)
     return report
+
+
+def _then(scenario: dict[str, Any], rank: int, report: dict[str, Any]) -> None:
+    """``scenario["then"]``: steps run after the startup (``testing.standby_steps``)."""
+    if scenario.get("then") is None:
+        return
+    from sglang_integration.testing.standby_steps import run_steps
+
+    try:
+        run_steps(scenario["then"], rank, report)
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()
 
 
 def _rank_main(

@@ -43,6 +43,8 @@ def test_the_layout_state_on_the_wire_has_exactly_the_protocol_fields() -> None:
         "pending": {"engine_id": "engine-b", "layers": [0, 1], "base_version": 2},
         "attached": ["engine-b"],
         "non_following_fetch": False,
+        "standbys": [],
+        "leases": [],
     }
 
 

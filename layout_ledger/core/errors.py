@@ -113,3 +113,8 @@ class NoContentRecord(RequestRefused):
 
 class ContentMismatch(RequestRefused):
     """A repair names content the daemon's own fingerprints do not show."""
+
+
+class NotStandby(RequestRefused):
+    """A lease asked for by an engine not attached as a standby (an active engine always holds
+    its lease)."""

@@ -30,11 +30,31 @@ PRUNE = "prune"
 # restart clears it (a new incarnation starts uncordoned).
 CORDON = "cordon"
 UNCORDON = "uncordon"
+# A standby took its lease (it serves from now on: the one-mover rule counts it) or ended it
+# (its release; a detach ends it too, without a RELEASE event).
+LEASE = "lease"
+RELEASE = "release"
 BEGIN_BUSY = "begin_busy"
+LEASE_BUSY = "lease_busy"  # a lease asked for while a move was pending
 # A refused request appends "<verb>_refused" (one of REFUSABLE_VERBS) and nothing else; a begin
-# that is only busy appends BEGIN_BUSY.
+# or lease that is only busy appends BEGIN_BUSY or LEASE_BUSY.
 REFUSED_SUFFIX = "_refused"
-REFUSABLE_VERBS = ("attach", "begin", "commit", "abort", "fetch", "repair", "cordon")
+REFUSABLE_VERBS = (
+    "attach",
+    "begin",
+    "commit",
+    "abort",
+    "fetch",
+    "repair",
+    "cordon",
+    "lease",
+    "release",
+)
+BUSY_KINDS = {"begin": BEGIN_BUSY, "lease": LEASE_BUSY}
+
+# An attach event's reason names the engine's role when it is not the default (``active``,
+# NULL: what every attach before roles recorded): ``ledger_attachments.role`` reads it.
+STANDBY_ATTACH_REASON = "role: standby"
 
 ALL_KINDS: tuple[str, ...] = (
     START,
@@ -51,7 +71,10 @@ ALL_KINDS: tuple[str, ...] = (
     PRUNE,
     CORDON,
     UNCORDON,
+    LEASE,
+    RELEASE,
     BEGIN_BUSY,
+    LEASE_BUSY,
     *(verb + REFUSED_SUFFIX for verb in REFUSABLE_VERBS),
 )
 
@@ -65,9 +88,17 @@ def refused_kind(verb: str) -> str:
     return verb + REFUSED_SUFFIX
 
 
+def busy_kind(verb: str) -> str:
+    """The kind of the event a busy ``verb`` (begin or lease) appends."""
+    if verb not in BUSY_KINDS:
+        raise ValueError(f"{verb!r} is never busy; expected one of {tuple(BUSY_KINDS)}")
+    return BUSY_KINDS[verb]
+
+
 def is_refusal(kind: str) -> bool:
-    """A refused request's kind, or a busy begin's: the events identical repeats count on."""
-    return kind.endswith(REFUSED_SUFFIX) or kind == BEGIN_BUSY
+    """A refused request's kind, or a busy begin's or lease's: the events identical repeats
+    count on."""
+    return kind.endswith(REFUSED_SUFFIX) or kind in (BEGIN_BUSY, LEASE_BUSY)
 
 
 def clip(text: str | None) -> str | None:

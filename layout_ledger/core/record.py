@@ -37,6 +37,7 @@ from layout_ledger.core.errors import (
 )
 from layout_ledger.core.layout import Geometry, Map, digest_of_row_jsons, row_json
 from layout_ledger.core.state import (
+    ROLE_STANDBY,
     ContentFinding,
     ContentState,
     Cordon,
@@ -142,6 +143,8 @@ class LayoutRecord:
         self.pending: PendingMove | None = None
         self.dirty: DirtyMark | None = None
         self._attached: dict[str, str] = {}
+        self._standbys: set[str] = set()  # attached engines whose role is standby
+        self._leases: set[str] = set()  # standbys that hold a lease now
         self.non_following_fetch = False
         self.cordon: Cordon | None = None  # an operator's: begins are busy while it lasts
         self.end_state: str | None = None
@@ -167,6 +170,14 @@ class LayoutRecord:
     def attached(self) -> Collection[str]:
         return self._attached.keys()
 
+    @property
+    def standbys(self) -> Collection[str]:
+        return self._standbys
+
+    @property
+    def leases(self) -> Collection[str]:
+        return self._leases
+
     def row_jsons(self) -> list[str]:
         """Each layer's row JSON (the map's digest is computed over exactly these texts)."""
         with self._lock:
@@ -191,6 +202,8 @@ class LayoutRecord:
                 attached=tuple(self._attached),
                 non_following_fetch=self.non_following_fetch,
                 cordon=self.cordon,
+                standbys=tuple(e for e in self._attached if e in self._standbys),
+                leases=tuple(e for e in self._attached if e in self._leases),
             )
 
     def physical_to_logical_map(self) -> Map:
@@ -227,19 +240,81 @@ class LayoutRecord:
                 self.content,
             )
 
-    def attach(self, engine_id: Any) -> None:
-        """Attach an engine (hold ``lock`` around this and ``state`` for the attach reply)."""
+    def attach(self, engine_id: Any, role: Any = None) -> str:
+        """Attach an engine as ``role`` (None: ``active``); returns the role. Hold ``lock``
+        around this and ``state`` for the attach reply. A standby holds no lease yet."""
         with self._lock:
             try:
                 valid_id = self._engine_ids(engine_id)
+                valid_role = rules.check_role(role)
                 rules.check_attach(self, valid_id)
             except RequestRefused as exc:
                 self._refuse("attach", engine_id, exc)
             at = self._clock()
+            standby = valid_role == ROLE_STANDBY
             self.journal.append(
-                [ev.Event(at=at, kind=ev.ATTACH, engine_id=valid_id, new_version=self.version)]
+                [
+                    ev.Event(
+                        at=at,
+                        kind=ev.ATTACH,
+                        engine_id=valid_id,
+                        new_version=self.version,
+                        reason=ev.STANDBY_ATTACH_REASON if standby else None,
+                    )
+                ]
             )
             self._attached[valid_id] = at
+            if standby:
+                self._standbys.add(valid_id)
+            return valid_role
+
+    def lease(self, engine_id: Any) -> bool:
+        """A standby's lease (refused, or busy while a move is pending: ``MoveBusy``). Returns
+        False when the engine already held it (nothing appended)."""
+        with self._lock:
+            try:
+                valid_id = self._engine_ids(engine_id)
+                granted = rules.check_lease(self, valid_id)
+            except (RequestRefused, MoveBusy) as exc:
+                self._refuse("lease", engine_id, exc)
+            if not granted:
+                return False
+            self.journal.append(
+                [
+                    ev.Event(
+                        at=self._clock(),
+                        kind=ev.LEASE,
+                        engine_id=valid_id,
+                        new_version=self.version,
+                        digest_after=self.digest,
+                    )
+                ]
+            )
+            self._leases.add(valid_id)
+            return True
+
+    def release(self, engine_id: Any) -> bool:
+        """End a standby's lease. Returns False when it held none (nothing appended)."""
+        with self._lock:
+            try:
+                valid_id = self._engine_ids(engine_id)
+                held = rules.check_release(self, valid_id)
+            except RequestRefused as exc:
+                self._refuse("release", engine_id, exc)
+            if not held:
+                return False
+            self.journal.append(
+                [
+                    ev.Event(
+                        at=self._clock(),
+                        kind=ev.RELEASE,
+                        engine_id=valid_id,
+                        new_version=self.version,
+                    )
+                ]
+            )
+            self._leases.discard(valid_id)
+            return True
 
     def detach(self, engine_id: str, reason: str = EOF_DETACH) -> DirtyMark | None:
         """An engine's attach connection closed. Returns the dirty mark if its move was pending."""
@@ -251,15 +326,21 @@ class LayoutRecord:
             pending = self.pending
             if pending is None or pending.engine_id != engine_id:
                 self.journal.append([detached])
-                del self._attached[engine_id]
+                self._forget(engine_id)
                 return None
             mark = DirtyMark(move=pending, at=at)
             self.journal.append([detached, _move_event(ev.DIRTY, pending, at, reason=mark.reason)])
-            del self._attached[engine_id]
+            self._forget(engine_id)
             self.pending = None
             self.dirty = mark
             self._moves_seen += 1
             return mark
+
+    def _forget(self, engine_id: str) -> None:
+        """A detached engine: its attachment, role and lease end together."""
+        del self._attached[engine_id]
+        self._standbys.discard(engine_id)
+        self._leases.discard(engine_id)
 
     def begin(self, engine_id: Any, base_version: Any, layers: Any) -> PendingMove:
         """Begin a move of ``layers`` from ``base_version`` (refused, or busy: ``MoveBusy``)."""
@@ -630,6 +711,8 @@ class LayoutRecord:
         self.journal.append([event])
         self.end_state = end_state
         self._attached.clear()
+        self._standbys.clear()
+        self._leases.clear()
         return end_state
 
     # --- refusals -------------------------------------------------------------------------
@@ -637,7 +720,7 @@ class LayoutRecord:
     def record_refusal(self, verb: str, engine_id: Any, reason: str, *, busy: bool = False) -> None:
         """Append the one event a refused (or busy) request leaves; nothing else changes."""
         with self._lock:
-            kind = ev.BEGIN_BUSY if busy else ev.refused_kind(verb)
+            kind = ev.busy_kind(verb) if busy else ev.refused_kind(verb)
             self._append_refusal(kind, engine_id, reason, self._clock())
 
     def _append_refusal(self, kind: str, engine_id: Any, reason: str, at: str) -> None:
@@ -659,7 +742,7 @@ class LayoutRecord:
 
         The event names the engine only by an id a request may name (``rules``).
         """
-        kind = ev.BEGIN_BUSY if isinstance(exc, MoveBusy) else ev.refused_kind(verb)
+        kind = ev.busy_kind(verb) if isinstance(exc, MoveBusy) else ev.refused_kind(verb)
         named = rules.recordable_engine_id(engine_id)
         try:
             self._append_refusal(kind, named, str(exc), self._clock())

@@ -38,7 +38,13 @@ from layout_ledger.core.layout import (
     validate_rows,
     validate_rows_json,
 )
-from layout_ledger.core.state import Cordon, DirtyMark, PendingMove
+from layout_ledger.core.state import (
+    ROLE_ACTIVE,
+    ROLES,
+    Cordon,
+    DirtyMark,
+    PendingMove,
+)
 
 MAX_ENGINE_ID = 256
 # How many characters of a refused engine id its refusal's reason shows (escaped).
@@ -71,6 +77,10 @@ class StateView(Protocol):
     def non_following_fetch(self) -> bool: ...
     @property
     def cordon(self) -> Cordon | None: ...
+    @property
+    def standbys(self) -> Collection[str]: ...
+    @property
+    def leases(self) -> Collection[str]: ...
 
 
 def check_engine_id(engine_id: Any) -> str:
@@ -128,6 +138,34 @@ def recordable_engine_id(engine_id: Any) -> str | None:
         return None
 
 
+def check_role(role: Any) -> str:
+    """An attach's ``role``: absent (None) is ``active``, as every engine before roles attached;
+    else ``active`` or ``standby``."""
+    if role is None:
+        return ROLE_ACTIVE
+    if not isinstance(role, str) or role not in ROLES:
+        shown = ascii(role[:32]) if isinstance(role, str) else type(role).__name__
+        raise errors.InvalidRequest(f"role must be one of {', '.join(ROLES)}, got {shown}")
+    return role
+
+
+def holds_lease(state: StateView, engine_id: str) -> bool:
+    """An attached engine holds an active lease: every active engine always, a standby only
+    between its granted lease and its release (or detach)."""
+    if engine_id not in state.attached:
+        return False
+    return engine_id not in state.standbys or engine_id in state.leases
+
+
+def lease_holders(state: StateView) -> list[str]:
+    """The attached engines the one-mover rule counts (``holds_lease``), sorted."""
+    return sorted(engine for engine in state.attached if holds_lease(state, engine))
+
+
+def _holder_text(state: StateView, engine_id: str) -> str:
+    return f"{engine_id} (standby with a lease)" if engine_id in state.standbys else engine_id
+
+
 def check_attach(state: StateView, engine_id: str) -> None:
     """An engine attaches once per engine start."""
     if engine_id in state.attached:
@@ -172,11 +210,17 @@ def check_begin(
         )
     if state.cordon is not None:
         raise errors.Cordoned(cordoned_reason(state.cordon))
-    others = [other for other in state.attached if other != engine_id]
-    if others:
+    if not holds_lease(state, engine_id):
         raise errors.MoveBusy(
-            f"other engines are attached to this daemon ({', '.join(sorted(others))}); only an "
-            f"engine alone on its daemon may move experts, try again later"
+            f"engine {engine_id!r} is attached as a standby and holds no lease; a standby "
+            f"moves experts only while it serves (expert_layout_lease first), try again later"
+        )
+    others = [other for other in lease_holders(state) if other != engine_id]
+    if others:
+        shown = ", ".join(_holder_text(state, other) for other in others)
+        raise errors.MoveBusy(
+            f"other engines are attached to this daemon ({shown}); only an engine that is the "
+            f"one lease holder on its daemon may move experts, try again later"
         )
     if pending is not None:
         raise errors.MoveBusy(
@@ -184,6 +228,49 @@ def check_begin(
             f"try again later"
         )
     return valid_layers
+
+
+def check_lease(state: StateView, engine_id: str) -> bool:
+    """A standby's lease: True to grant it now, False when it already holds one (``ok``, no
+    change). Refused at a dirty daemon and for an engine not attached as a standby (an active
+    engine holds its lease from its attach); ``busy`` while any move is pending, so a standby
+    never starts serving while weights are in flux."""
+    if state.dirty is not None:
+        raise errors.LayoutDirty(f"this daemon's expert layout is unknown: {state.dirty.reason}")
+    if engine_id not in state.attached:
+        raise errors.EngineNotAttached(
+            f"engine {engine_id!r} is not attached; attach as a standby before taking a lease"
+        )
+    if engine_id not in state.standbys:
+        raise errors.NotStandby(
+            f"engine {engine_id!r} is attached as an active engine, which holds its lease from "
+            f"its attach; only a standby takes a lease"
+        )
+    if engine_id in state.leases:
+        return False
+    pending = state.pending
+    if pending is not None:
+        raise errors.MoveBusy(
+            f"engine {pending.engine_id!r} has a move of layers {list(pending.layers)} from "
+            f"version {pending.base_version} pending; a standby may serve once it commits or "
+            f"aborts, try again later"
+        )
+    return True
+
+
+def check_release(state: StateView, engine_id: str) -> bool:
+    """A standby's release: True when it held a lease (the lease ends), False when there is
+    none to end (``ok``, no change). Refused while the engine's own move is pending: its lease
+    is what made the move possible, so it ends with the move's commit or abort."""
+    if engine_id not in state.attached or engine_id not in state.leases:
+        return False
+    pending = state.pending
+    if pending is not None and pending.engine_id == engine_id:
+        raise errors.MoveAlreadyPending(
+            f"engine {engine_id!r} has a move of layers {list(pending.layers)} pending; commit "
+            f"or abort it before releasing its lease"
+        )
+    return True
 
 
 def cordoned_reason(cordon: Cordon) -> str:
@@ -217,6 +304,7 @@ def check_cordon_reason(reason: Any) -> str:
 # it; a reason none matches (an older daemon's wording) is "other".
 BEGIN_CAUSES: tuple[tuple[str, str], ...] = (
     ("this daemon is cordoned", "cordoned"),
+    ("is attached as a standby and holds no lease", "standby_without_lease"),
     ("expert layout is unknown", "dirty"),
     ("engine_id ", "invalid_engine_id"),
     (" is not attached", "not_attached"),

@@ -97,6 +97,15 @@ class Cordon:
     reason: str
 
 
+# An attached engine's role (``expert_layout_attach``'s optional ``role``): an ``active`` engine
+# serves and always holds an active lease; a ``standby`` holds one only while it serves (from an
+# ``expert_layout_lease`` to its ``expert_layout_release`` or its detach). The one-mover rule
+# counts lease holders only (``rules.lease_holders``).
+ROLE_ACTIVE = "active"
+ROLE_STANDBY = "standby"
+ROLES = (ROLE_ACTIVE, ROLE_STANDBY)
+
+
 @dataclass(frozen=True)
 class LayoutState:
     """What a daemon's record holds at one moment (live, or derived by a replay)."""
@@ -111,6 +120,20 @@ class LayoutState:
     attached: tuple[str, ...] = field(default_factory=tuple)
     non_following_fetch: bool = False
     cordon: Cordon | None = None
+    # The attached engines whose role is standby (every other attached engine is active), and
+    # those of them that hold a lease now.
+    standbys: tuple[str, ...] = field(default_factory=tuple)
+    leases: tuple[str, ...] = field(default_factory=tuple)
+
+    def role_of(self, engine_id: str) -> str:
+        """An attached engine's role."""
+        return ROLE_STANDBY if engine_id in self.standbys else ROLE_ACTIVE
+
+    def holds_lease(self, engine_id: str) -> bool:
+        """Whether an attached engine holds an active lease (every active engine does)."""
+        return engine_id in self.attached and (
+            engine_id not in self.standbys or engine_id in self.leases
+        )
 
 
 @dataclass(frozen=True)

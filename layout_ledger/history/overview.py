@@ -39,6 +39,7 @@ from layout_ledger.store.rows import (
 REFUSAL_KINDS: tuple[str, ...] = (
     *(ev.refused_kind(verb) for verb in ev.REFUSABLE_VERBS),
     ev.BEGIN_BUSY,
+    ev.LEASE_BUSY,
 )
 # The causes refused and busy begins are counted by (``rules.begin_cause``): a bounded set.
 BEGIN_CAUSE_NAMES: tuple[str, ...] = (*(cause for _, cause in BEGIN_CAUSES), BEGIN_CAUSE_OTHER)

@@ -25,7 +25,7 @@ from layout_ledger.core import events as ev
 from layout_ledger.core.content import LocalFingerprints
 from layout_ledger.core.layout import Map
 from layout_ledger.core.record import END_FOUND_UNENDED, Journal, LayoutRecord
-from layout_ledger.core.state import LayoutState, utc_now
+from layout_ledger.core.state import ROLE_STANDBY, LayoutState, utc_now
 from layout_ledger.store.rows import Incarnation, current_version, incarnation, map_at
 
 
@@ -183,7 +183,11 @@ def _replay_one(
         if kind == ev.START:
             record.start(event.reason)
         elif kind == ev.ATTACH:
-            record.attach(engine)
+            record.attach(engine, _attach_role(event))
+        elif kind == ev.LEASE:
+            _replay_lease(record, stored)
+        elif kind == ev.RELEASE:
+            _replay_release(record, stored)
         elif kind == ev.DETACH:
             record.detach(str(engine), event.reason or "")
         elif kind == ev.BEGIN:
@@ -209,10 +213,28 @@ def _replay_one(
                 f"{stored.where} does not follow a detach of that engine during its pending move"
             )
         else:
-            verb = kind.removesuffix(ev.REFUSED_SUFFIX) if kind != ev.BEGIN_BUSY else "begin"
-            record.record_refusal(verb, engine, event.reason or "", busy=kind == ev.BEGIN_BUSY)
+            busy = {busy_kind: verb for verb, busy_kind in ev.BUSY_KINDS.items()}
+            verb = busy.get(kind) or kind.removesuffix(ev.REFUSED_SUFFIX)
+            record.record_refusal(verb, engine, event.reason or "", busy=kind in busy)
     except (errors.RequestRefused, errors.MoveBusy) as exc:
         raise ReplayMismatch(_refused(stored, exc, record)) from exc
+
+
+def _attach_role(event: ev.Event) -> str | None:
+    """The role an attach event recorded (``ev.STANDBY_ATTACH_REASON``; else active)."""
+    return ROLE_STANDBY if event.reason == ev.STANDBY_ATTACH_REASON else None
+
+
+def _replay_lease(record: LayoutRecord, stored: StoredEvent) -> None:
+    """A lease the history granted: the rules must grant it again (not find it held)."""
+    if not record.lease(stored.event.engine_id):
+        raise ReplayMismatch(f"{stored.where} grants a lease the engine already held")
+
+
+def _replay_release(record: LayoutRecord, stored: StoredEvent) -> None:
+    """A release the history recorded: the engine must have held its lease."""
+    if not record.release(stored.event.engine_id):
+        raise ReplayMismatch(f"{stored.where} releases a lease the engine did not hold")
 
 
 def _replay_content_dirty(record: LayoutRecord, stored: StoredEvent) -> None:
@@ -479,6 +501,8 @@ def _refused_begin(where: str, event: ev.Event, exc: Exception, record: LayoutRe
         if record.pending is not None:
             owner = record.pending.engine_id
             return f"{where} was accepted while engine {owner!r}'s move was pending"
-        others = sorted(set(record.attached) - {event.engine_id})
+        if event.engine_id is not None and not rules.holds_lease(record, event.engine_id):
+            return f"{where} was accepted from a standby that held no lease"
+        others = [e for e in rules.lease_holders(record) if e != event.engine_id]
         return f"{where} was accepted while {others} were attached too"
     return f"{where} was accepted although the rules refuse it: {exc}"

@@ -35,6 +35,7 @@ KNOWN_REVISIONS = (
     "0003_event_counts_and_chain",
     "0004_incarnation_origin",
     "0005_slot_fingerprints",
+    "0006_engine_roles",
     "0007_fingerprint_digests",
 )
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from layout_ledger.core.content import is_fingerprint
 from layout_ledger.core.layout import Map
-from layout_ledger.core.state import ContentState, Cordon, LayoutState, PendingMove
+from layout_ledger.core.state import ROLES, ContentState, Cordon, LayoutState, PendingMove
 
 # --- names ------------------------------------------------------------------------------------
 
@@ -30,11 +30,17 @@ CONTENT_CHECK = "expert_layout_content_check"
 REPAIR = "expert_layout_repair"
 CORDON = "expert_layout_cordon"
 UNCORDON = "expert_layout_uncordon"
+LEASE = "expert_layout_lease"
+RELEASE = "expert_layout_release"
 FETCH_STATE = "fetch_state"
 
 LAYOUT_REQUEST_TYPES = frozenset(
-    {ATTACH, QUERY, BEGIN, COMMIT, ABORT, CONTENT_CHECK, REPAIR, CORDON, UNCORDON}
+    {ATTACH, QUERY, BEGIN, COMMIT, ABORT, CONTENT_CHECK, REPAIR, CORDON, UNCORDON, LEASE, RELEASE}
 )
+
+# The role field of an attach request and of its ok reply (``core.state.ROLES``). A daemon from
+# before roles answers the attach without it: the engine is active there.
+ROLE_FIELD = "role"
 
 OK = "ok"
 BUSY = "busy"
@@ -113,6 +119,10 @@ class LayoutView:
     pending: PendingMove | None
     attached: tuple[str, ...]
     non_following_fetch: bool
+    # The attached engines whose role is standby, and those of them holding a lease (a daemon
+    # from before roles sends neither: read as none).
+    standbys: tuple[str, ...] = ()
+    leases: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, state: LayoutState) -> LayoutView:
@@ -126,6 +136,8 @@ class LayoutView:
             pending=state.pending,
             attached=tuple(state.attached),
             non_following_fetch=state.non_following_fetch,
+            standbys=tuple(state.standbys),
+            leases=tuple(state.leases),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -138,6 +150,8 @@ class LayoutView:
             "pending": _pending_or_none(self.pending),
             "attached": list(self.attached),
             "non_following_fetch": self.non_following_fetch,
+            "standbys": list(self.standbys),
+            "leases": list(self.leases),
         }
 
     @classmethod
@@ -169,6 +183,10 @@ class LayoutView:
         non_following = raw.get("non_following_fetch", False)
         if not isinstance(non_following, bool):
             raise ProtocolViolation(f"non_following_fetch {non_following!r} is not a bool")
+        standbys, leases = raw.get("standbys", []), raw.get("leases", [])
+        for name, ids in (("standbys", standbys), ("leases", leases)):
+            if not isinstance(ids, list) or not all(isinstance(e, str) for e in ids):
+                raise ProtocolViolation(f"{name} {ids!r} is not a list of engine ids")
         return cls(
             version=version,
             digest=str(digest),
@@ -178,6 +196,8 @@ class LayoutView:
             pending=pending,
             attached=tuple(attached),
             non_following_fetch=non_following,
+            standbys=tuple(standbys),
+            leases=tuple(leases),
         )
 
 
@@ -282,9 +302,33 @@ class ContentView:
 @dataclass(frozen=True)
 class AttachRequest:
     engine_id: str
+    role: str | None = None  # None: no role field (an engine from before roles: active)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"type": ATTACH, "engine_id": self.engine_id}
+        wire: dict[str, Any] = {"type": ATTACH, "engine_id": self.engine_id}
+        if self.role is not None:
+            wire[ROLE_FIELD] = self.role
+        return wire
+
+
+@dataclass(frozen=True)
+class LeaseRequest:
+    """A standby's lease, asked for before it serves."""
+
+    engine_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": LEASE, "engine_id": self.engine_id}
+
+
+@dataclass(frozen=True)
+class ReleaseRequest:
+    """A standby ends its lease (it has not served for its idle time)."""
+
+    engine_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": RELEASE, "engine_id": self.engine_id}
 
 
 @dataclass(frozen=True)
@@ -437,6 +481,8 @@ LayoutRequest = (
     | RepairRequest
     | CordonRequest
     | UncordonRequest
+    | LeaseRequest
+    | ReleaseRequest
 )
 
 
@@ -467,6 +513,24 @@ def ok_reply() -> dict[str, Any]:
 def layout_reply(layout: LayoutView) -> dict[str, Any]:
     """``ok`` + ``layout`` (attach, query)."""
     return {"status": OK, "layout": layout.to_wire()}
+
+
+def attach_reply(layout: LayoutView, role: str) -> dict[str, Any]:
+    """``ok`` + ``layout`` + ``role`` (the role the daemon recorded for the attach)."""
+    return {"status": OK, "layout": layout.to_wire(), ROLE_FIELD: role}
+
+
+def lease_reply(version: int, digest: str) -> dict[str, Any]:
+    """``ok`` to a lease: the version and digest the daemon holds (no move can change them while
+    the lease lasts)."""
+    return {"status": OK, "version": version, "digest": digest}
+
+
+def reply_role(raw: Mapping[str, Any]) -> str | None:
+    """The role an ok attach reply names; None when it names none (a daemon from before roles)
+    or something that is not a role."""
+    role = raw.get(ROLE_FIELD)
+    return role if isinstance(role, str) and role in ROLES else None
 
 
 def content_reply(content: ContentView) -> dict[str, Any]:
@@ -614,7 +678,7 @@ class Reply:
                 f"the daemon at {peer} answered {request_type} ok without a layout",
                 raw,
             )
-        if request_type in (COMMIT, REPAIR):
+        if request_type in (COMMIT, REPAIR, LEASE):
             try:
                 Committed.from_wire(raw)
             except ProtocolViolation:

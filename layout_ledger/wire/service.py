@@ -53,10 +53,27 @@ def _storage_failure(exc: LedgerError) -> str:
 def _attach(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
     engine_id = request.get("engine_id")
     with record.lock:  # the reply shows the state this attach left
-        record.attach(engine_id)
+        role = record.attach(engine_id, request.get(msg.ROLE_FIELD))
         state = record.state()
-    logger.info("engine %r attached at layout version %d", engine_id, state.version)
-    return msg.layout_reply(msg.LayoutView.of(state))
+    logger.info("engine %r attached as %s at layout version %d", engine_id, role, state.version)
+    return msg.attach_reply(msg.LayoutView.of(state), role)
+
+
+def _lease(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    engine_id = request.get("engine_id")
+    with record.lock:  # the reply names the version the lease was granted at
+        granted = record.lease(engine_id)
+        version, digest = record.version, record.digest
+    if granted:
+        logger.info("standby %r took its lease at layout version %d", engine_id, version)
+    return msg.lease_reply(version, digest)
+
+
+def _release(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
+    engine_id = request.get("engine_id")
+    if record.release(engine_id):
+        logger.info("standby %r released its lease", engine_id)
+    return msg.ok_reply()
 
 
 def _query(record: LayoutRecord, request: Request, content: ContentSource | None) -> Reply:
@@ -142,9 +159,12 @@ TRANSITIONS: dict[str, Transition] = {
     msg.REPAIR: _repair,
     msg.CORDON: _cordon,
     msg.UNCORDON: _uncordon,
+    msg.LEASE: _lease,
+    msg.RELEASE: _release,
 }
-# Without a record, these answer no_record; the others (begin, commit, abort, repair) are
-# refused. (A daemon without a record moves no expert, so a cordon has nothing to stop.)
+# Without a record, these answer no_record; the others (begin, commit, abort, repair, lease,
+# release) are refused. (A daemon without a record moves no expert, so a cordon has nothing to
+# stop.)
 _NO_RECORD_STATUS = {
     msg.ATTACH: msg.NO_RECORD,
     msg.QUERY: msg.NO_RECORD,

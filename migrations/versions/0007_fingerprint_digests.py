@@ -8,7 +8,7 @@ Versions rows are never pruned, so the chain stays verifiable after the fingerpr
 versions are pruned; where a version's rows are still held, ``verify`` recomputes the digest.
 
 Revision ID: 0007_fingerprint_digests
-Revises: 0005_slot_fingerprints
+Revises: 0006_engine_roles
 Create Date: 2026-12-02 12:00:00
 
 """
@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0007_fingerprint_digests"
-down_revision: str | None = "0005_slot_fingerprints"
+down_revision: str | None = "0006_engine_roles"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -28,8 +28,10 @@ from layout_ledger.wire.protocol import (
     CommitRequest,
     ContentCheckRequest,
     LayoutRequest,
+    LeaseRequest,
     Outcome,
     QueryRequest,
+    ReleaseRequest,
     RepairRequest,
     Reply,
 )
@@ -47,7 +49,9 @@ __all__ = [
     "begin",
     "commit",
     "content_check",
+    "lease",
     "query",
+    "release",
     "repair",
 ]
 
@@ -88,10 +92,15 @@ class Attachment:
 
 
 def attach(
-    socket_path: str, engine_id: str, timeout: float = DEFAULT_REQUEST_TIMEOUT
+    socket_path: str,
+    engine_id: str,
+    timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    role: str | None = None,
 ) -> Attachment:
-    """``expert_layout_attach``; on ``ok`` the returned ``Attachment`` holds the open connection."""
-    conn, reply = _exchange(socket_path, AttachRequest(engine_id), timeout, keep_open=True)
+    """``expert_layout_attach`` (as ``role``; None sends none: active); on ``ok`` the returned
+    ``Attachment`` holds the open connection."""
+    request = AttachRequest(engine_id, role)
+    conn, reply = _exchange(socket_path, request, timeout, keep_open=True)
     if conn is not None and not reply.ok:
         conn.close()
         conn = None
@@ -152,6 +161,16 @@ def repair(
     in the daemon's local slots (it accepts a slot named as an expert it never held only so)."""
     request = RepairRequest(engine_id, rows, fingerprints, expected_fingerprints)
     return _request(socket_path, request, timeout)
+
+
+def lease(socket_path: str, engine_id: str, timeout: float = DEFAULT_REQUEST_TIMEOUT) -> Reply:
+    """``expert_layout_lease``: a standby's lease, before it serves."""
+    return _request(socket_path, LeaseRequest(engine_id), timeout)
+
+
+def release(socket_path: str, engine_id: str, timeout: float = DEFAULT_REQUEST_TIMEOUT) -> Reply:
+    """``expert_layout_release``: a standby ends its lease."""
+    return _request(socket_path, ReleaseRequest(engine_id), timeout)
 
 
 # --- internals -----------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from layout_ledger.core.startup_verdict import (
 from layout_ledger.wire.protocol import LayoutView, Outcome
 from sglang_integration.engine import client
 from sglang_integration.engine.startup_repair import StartupRank, read_content, settle
-from sglang_integration.settings import WAIT_TIMEOUT, content_check
+from sglang_integration.settings import ROLE, ROLE_ACTIVE, ROLE_STANDBY, WAIT_TIMEOUT, content_check
 from sglang_integration.upstream_lines import UpstreamLine
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,9 @@ class EngineLayoutSession:
     expected_content: ExpertContents | None = None
     first_slot: int = 0
     num_local_slots: int = 0
+    # The role this rank's daemon recorded for the attach (``engine.standby``): ``standby`` only
+    # when the engine asked for it and the daemon knows roles.
+    role: str = ROLE_ACTIVE
 
     @property
     def attached(self) -> bool:
@@ -128,6 +131,9 @@ def current_session() -> EngineLayoutSession | None:
 
 def close_session() -> None:
     """Detach from the daemon now and forget the session (an engine detaches by exiting)."""
+    from sglang_integration.engine.standby import close_gate
+
+    close_gate()
     session, _ThisRank.session = _ThisRank.session, None
     if session is not None and session.attachment is not None:
         session.attachment.close()
@@ -199,15 +205,17 @@ def start_from_daemon_layout(
         initial_map=initial_map,
         engine_shape=_engine_shape(metadata),
     )
+    asked_role = ROLE.read()
     finding, attachment = read_daemon(
-        socket_path, engine_id, rank=rank, initial_digest=initial_digest
+        socket_path, engine_id, rank=rank, initial_digest=initial_digest, role=asked_role
     )
+    role = _granted_role(asked_role, attachment)
     content = read_content(socket_path, finding, rank=rank, mode=this.mode)
-    gathered = world.all_gather_object((finding, content))
-    findings = [each for each, _ in gathered]
+    gathered = world.all_gather_object((finding, content, role))
+    findings = [each for each, _, _ in gathered]
     try:
         decision, expected = settle(
-            world, decide(findings), findings, [each for _, each in gathered], this
+            world, decide(findings), findings, [each for _, each, _ in gathered], this
         )
         version, digest = _apply(decision, model_config, metadata, moe_ep_rank, initial_digest)
     except BaseException:
@@ -227,9 +235,32 @@ def start_from_daemon_layout(
         expected_content=expected,
         first_slot=moe_ep_rank * local,
         num_local_slots=local,
+        role=role,
     )
     _ThisRank.session = session
+    if asked_role == ROLE_STANDBY and session.attached:
+        from sglang_integration.engine.standby import start_standby
+
+        start_standby(
+            session=session,
+            world=world,
+            roles=[each for _, _, each in gathered],
+            model_config=model_config,
+            metadata=metadata,
+            moe_ep_rank=moe_ep_rank,
+            initial_map=initial_map,
+        )
     return session
+
+
+def _granted_role(asked: str, attachment: client.Attachment | None) -> str:
+    """The role the daemon recorded: ``standby`` only when asked for and named in the reply (a
+    daemon from before roles names none: the engine is active there)."""
+    from layout_ledger.wire.protocol import reply_role
+
+    if asked != ROLE_STANDBY or attachment is None or not attachment.reply.ok:
+        return ROLE_ACTIVE
+    return reply_role(attachment.reply.body) or ROLE_ACTIVE
 
 
 def _apply(
@@ -267,6 +298,7 @@ def read_daemon(
     initial_digest: str,
     wait_timeout: float | None = None,
     poll_interval: float = POLL_INTERVAL,
+    role: str | None = None,
 ) -> tuple[RankFinding, client.Attachment | None]:
     """Attach and wait out another engine's move; never raises (a failure is a finding).
 
@@ -286,7 +318,9 @@ def read_daemon(
     attachment: client.Attachment | None = None
     try:
         timeout = WAIT_TIMEOUT.read() if wait_timeout is None else wait_timeout
-        attachment = client.attach(socket_path, engine_id)
+        attachment = client.attach(
+            socket_path, engine_id, role=None if role in (None, ROLE_ACTIVE) else role
+        )
         reply = attachment.reply
         kind = _KIND_OF_ATTACH_OUTCOME.get(reply.outcome)
         if kind is not None:
@@ -295,6 +329,12 @@ def read_daemon(
             reason = f"attach {reply.outcome.value}: {reply.reason}"
             return found(FindingKind.UNREADABLE, reason), attachment
         layout = _wait_for_pending_move(socket_path, reply.layout, timeout, poll_interval)
+        if role == ROLE_STANDBY and not isinstance(layout, _WaitFailure):
+            from sglang_integration.engine.standby import lease_at_startup
+
+            # A standby starts holding its lease (a mover's begins are busy while it loads the
+            # weights); it releases it once idle (engine.standby).
+            layout = lease_at_startup(socket_path, engine_id, reply, layout, timeout) or layout
     except Exception as exc:  # every rank must reach the all-gather
         logger.exception("Reading the expert layout of the daemon at %s failed", socket_path)
         reason = f"{type(exc).__name__}: {exc}"

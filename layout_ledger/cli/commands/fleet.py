@@ -12,6 +12,7 @@ pending)?
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,14 @@ class FleetRow(JsonShaped):
     last_commit_at: str | None = None
     cordon: Cordon | None = field(default=None, metadata=json_field(convert=_cordon_json))
     retired: RetirementStep | None = field(default=None, metadata=json_field(convert=_retired_json))
+    # Of ``attached``: the standbys, and those of them holding a lease.
+    standbys: tuple[str, ...] = ()
+    leases: tuple[str, ...] = ()
+
+    @property
+    def lease_holders(self) -> tuple[str, ...]:
+        """The attached engines the one-mover rule counts: active ones, and leased standbys."""
+        return tuple(e for e in self.attached if e not in self.standbys or e in self.leases)
 
     @property
     def state(self) -> str:
@@ -135,6 +144,10 @@ class FleetVerdict(JsonShaped):
     digest: str | None
     reason: str
     engine_reason: str | None
+    # Which engine may move experts now (the one lease holder on every running daemon; None:
+    # none may), and why, in words.
+    mover: str | None = None
+    moves: str = ""
 
 
 @dataclass(frozen=True)
@@ -230,6 +243,8 @@ def _row(rank: int, item: LedgerOverview | UnreadableLedger) -> FleetRow:
         last_commit_at=item.last_commit_at,
         cordon=state.cordon,
         retired=item.retired,
+        standbys=tuple(state.standbys),
+        leases=tuple(state.leases),
     )
 
 
@@ -264,6 +279,50 @@ def _finding(rank: int, item: LedgerOverview) -> RankFinding:
 
 
 def _verdict(rows: Sequence[FleetRow]) -> FleetVerdict:
+    verdict = _startup_verdict(rows)
+    mover, moves = _mover(rows)
+    return dataclasses.replace(verdict, mover=mover, moves=moves)
+
+
+def _mover(rows: Sequence[FleetRow]) -> tuple[str | None, str]:
+    """Which engine may move experts now: the one engine that holds a lease on every running
+    daemon and is the only lease holder on each (standbys without a lease do not count)."""
+    running = [row for row in rows if row.problem is None and row.alive is not False]
+    if not running:
+        return None, "no daemon runs: no engine moves experts"
+    if any(row.dirty for row in running):
+        return None, "no engine may move: a daemon is dirty (see the verdict)"
+    holders = sorted({engine for row in running for engine in row.lease_holders})
+    idle = sorted({e for row in running for e in row.standbys if e not in row.lease_holders})
+    waiting = f"; standbys without a lease (not counted): {', '.join(idle)}" if idle else ""
+    if not holders:
+        return None, "no engine holds a lease: an active engine attached to every daemon may"
+    if len(holders) > 1:
+        shown = ", ".join(
+            f"{e} (standby, serving)" if any(e in row.standbys for row in running) else e
+            for e in holders
+        )
+        return None, (
+            f"no engine may move: {shown} hold leases; begins are busy until one alone holds "
+            f"a lease{waiting}"
+        )
+    engine = holders[0]
+    missing = [row.rank for row in running if engine not in row.attached]
+    if missing:
+        return None, (
+            f"no engine may move: {engine} is the only lease holder but is not attached on "
+            f"{_ranks_text(missing)}"
+        )
+    cordoned = [row.rank for row in running if row.cordon is not None]
+    if cordoned:
+        return None, (
+            f"no engine may move: {engine} is the only lease holder, but "
+            f"{_ranks_text(cordoned)} cordoned (begins are busy)"
+        )
+    return engine, f"engine {engine} may move (the one lease holder on every daemon){waiting}"
+
+
+def _startup_verdict(rows: Sequence[FleetRow]) -> FleetVerdict:
     if not rows:
         reason = "every ledger given is retired: there is no rank to reach a verdict over"
         return FleetVerdict("fail", None, None, reason, None)
@@ -447,6 +506,7 @@ def render_fleet(report: FleetReport, *, wide: bool = False) -> list[str]:
     lines.append("")
     lines.append(verdict_line(report.verdict))
     lines.append(f"  {report.verdict.reason}")
+    lines.append(f"  moves: {report.verdict.moves}")
     return lines
 
 

@@ -35,6 +35,8 @@ from layout_ledger.cli.output import emit, print_error, print_warning
 from layout_ledger.cli.path_expansion import expand_ledger_paths
 from layout_ledger.cli.terminal import printable
 from layout_ledger.core.errors import LedgerError, LedgerFileError
+from layout_ledger.core.rules import lease_holders
+from layout_ledger.core.state import ROLE_ACTIVE, ROLE_STANDBY
 from layout_ledger.history.overview import (
     BEGIN_CAUSE_NAMES,
     REFUSAL_KINDS,
@@ -231,11 +233,11 @@ def digest_prefix(digest: str) -> float:
 
 
 def attached_engine_counts(item: LedgerOverview) -> Mapping[str | None, int]:
-    """Attached engines by role. ROLE: the leases work (issue 21) gives attachments a role
-    (active/standby); until the state carries one, every engine counts under None and the
-    series has no ``role`` label. With roles: return ``{role: count}`` here, and
-    ``_attached_family`` adds the label."""
-    return {None: len(item.state.attached)}
+    """Attached engines by role (``active``, ``standby``; both always present, so a series
+    that drops to 0 is still exported). ``_attached_family`` adds the ``role`` label."""
+    state = item.state
+    standbys = sum(1 for engine in state.attached if engine in state.standbys)
+    return {ROLE_ACTIVE: len(state.attached) - standbys, ROLE_STANDBY: standbys}
 
 
 def _gauges(item: LedgerOverview, now: float, sizes: FileSizes | None) -> dict[str, float]:
@@ -255,6 +257,8 @@ def _gauges(item: LedgerOverview, now: float, sizes: FileSizes | None) -> dict[s
         "digest_prefix": digest_prefix(state.digest),
         "non_following_fetch": float(state.non_following_fetch),
         "cordoned": float(state.cordon is not None),
+        "standby_leases": float(len(state.leases)),
+        "lease_holders": float(len(lease_holders(state))),
         "versions_held": float(state.version - item.reconstructible_from + 1),
         "ledger_file_bytes": float(0 if sizes is None else sizes.file_bytes),
         "ledger_wal_bytes": float(0 if sizes is None else sizes.wal_bytes),
@@ -276,6 +280,10 @@ _GAUGE_HELP = {
     "non_following_fetch": "1 once an engine that does not follow the layout fetched the "
     "weights: no engine may move experts until the daemon restarts.",
     "cordoned": "1 while an operator's cordon answers every begin busy (layout-ledger cordon).",
+    "standby_leases": "Attached standby engines that hold a lease now (they serve: the one-mover "
+    "rule counts them).",
+    "lease_holders": "Attached engines that hold an active lease (every active engine, and each "
+    "standby while it serves): a move may begin only while at most one does.",
     "versions_held": "Versions whose whole map the ledger still holds (retention prunes older).",
     "ledger_file_bytes": "The ledger file's size on disk.",
     "ledger_wal_bytes": "The size of the ledger's -wal file (0 when there is none).",

@@ -141,6 +141,10 @@ class StatusReport(JsonShaped):
     # begin can succeed later.
     busy_begins: int = 0
     cordon: Cordon | None = field(default=None, metadata=json_field(convert=_cordon_json))
+    # Of ``attached``: the standbys, and those of them holding a lease (an active engine always
+    # holds one).
+    standbys: tuple[str, ...] = ()
+    leases: tuple[str, ...] = ()
     retired: RetirementStep | None = field(default=None, metadata=json_field(convert=_step_json))
     # Per layer, the groups of logical experts the daemon's recorded slots show with the same
     # bytes (tied), from the fingerprints and the map at the current version.
@@ -234,6 +238,8 @@ def collect_status(
             recent_refusals=recent,
             busy_begins=busy,
             cordon=derived.cordon,
+            standbys=tuple(derived.standbys),
+            leases=tuple(derived.leases),
             retired=current_retirement(ledger.path, i) if is_latest else None,
             tied_experts=_tied_experts(conn, inc, version),
         )
@@ -314,6 +320,24 @@ def collect_statuses(paths: Sequence[Path], incarnation_id: int | None = None) -
         more = f" (and {len(unreadable) - 1} more unreadable)" if len(unreadable) > 1 else ""
         raise LedgerFileError(unreadable[0].problem + more)
     return StatusesReport(tuple(found))
+
+
+def roles_text(attached: Sequence[str], standbys: Sequence[str], leases: Sequence[str]) -> str:
+    """Each attached engine's role and lease: ``A active (lease), C standby (no lease)``."""
+    return ", ".join(
+        f"{engine} standby ({'lease' if engine in leases else 'no lease'})"
+        if engine in standbys
+        else f"{engine} active (lease)"
+        for engine in attached
+    )
+
+
+def _roles_rows(report: StatusReport) -> list[tuple[str, str]]:
+    """The ``roles`` row, shown while a standby is attached (else every attached engine is
+    active and holds its lease)."""
+    if not report.standbys:
+        return []
+    return [("roles", roles_text(report.attached, report.standbys, report.leases))]
 
 
 def _yes_no(flag: bool) -> str:
@@ -397,6 +421,7 @@ def render_status(report: StatusReport) -> list[str]:
         ("dirty", dirty),
         ("pending move", pending),
         ("attached", ", ".join(report.attached) if report.attached else "none"),
+        *_roles_rows(report),
         ("non-following fetch", _yes_no(report.non_following_fetch)),
         ("refusals", _refusals_text(report)),
         *_optional_rows(report),

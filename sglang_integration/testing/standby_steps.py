@@ -1,0 +1,113 @@
+"""Steps a test engine rank runs after its startup, to drive a standby's forward passes.
+
+Each rank of ``tests/test_engine_startup_hook.EngineRanks`` runs the same steps (a scenario's
+``then``). A forward pass is ``standby.around_forward`` (the hook on ``ModelRunner.forward``)
+around a stand-in for the original that does what a real forward does across ranks first (a
+barrier on the world's gloo group, as the model's collectives would) and then records what this
+rank routes with at that moment and whether its daemon lists its lease.
+
+Steps: ``["forward"]``, ``["sleep", seconds]``, ``["wait_released", timeout]`` (until this
+rank's idle thread released its lease), ``["forget"]`` (release the lease now and forget the
+agreement, as before a first acquisition), ``["release_now"]`` (the idle release, now).
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from typing import Any
+
+
+def run_steps(steps: list[list[Any]], rank: int, report: dict[str, Any]) -> None:
+    from sglang_integration.engine import standby
+
+    gate = standby.current_gate()
+    report["forwards"] = report.get("forwards", [])
+    report["raised"] = None
+    for step in steps:
+        kind = step[0]
+        if kind == "forward":
+            try:
+                report["forwards"].append(_forward(gate))
+            except Exception as exc:
+                report["raised"] = f"{type(exc).__name__}: {exc}"
+                break
+        elif kind == "sleep":
+            time.sleep(float(step[1]))
+        elif kind == "wait_released":
+            deadline = time.monotonic() + float(step[1])
+            while gate is not None and gate.held and time.monotonic() < deadline:
+                time.sleep(0.02)
+        elif kind == "forget":
+            if gate is not None:
+                gate.release_if_idle(now=float("inf"))
+                gate.agreed = False
+        elif kind == "release_now":
+            if gate is not None:
+                gate.release_if_idle(now=float("inf"))
+        else:
+            raise ValueError(f"unknown step {step!r}")
+    report["gate"] = (
+        None
+        if gate is None
+        else {
+            "held": gate.held,
+            "agreed": gate.agreed,
+            "acquisitions": gate.acquisitions,
+            "local_acquisitions": gate.local_acquisitions,
+            "releases": gate.releases,
+            "version": gate.session.version,
+            "digest": gate.session.digest,
+        }
+    )
+
+
+def _forward(gate: Any) -> dict[str, Any]:
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    from sglang_integration.engine import client, standby
+    from sglang_integration.engine.metadata import map_of
+
+    seen: dict[str, Any] = {}
+    metadata = get_global_expert_location_metadata()
+    addresses = _addresses(metadata)
+
+    def original(runner: Any, batch: Any) -> Any:
+        import torch.distributed as dist
+        from sglang.srt.runtime_context import get_parallel
+
+        started = time.monotonic()
+        dist.barrier(group=get_parallel().world_group.cpu_group)
+        seen["barrier_seconds"] = time.monotonic() - started
+        session = gate.session if gate is not None else None
+        seen["map"] = map_of(metadata)
+        if session is not None:
+            layout = client.query(session.socket_path).layout
+            seen["leased"] = layout is not None and session.engine_id in layout.leases
+            seen["daemon_version"] = None if layout is None else layout.version
+            seen["daemon_map"] = (
+                None if layout is None else [list(r) for r in layout.physical_to_logical_map]
+            )
+        return batch
+
+    runner = types.SimpleNamespace(is_draft_worker=False, eplb_manager=None)
+    assert standby.around_forward(original, runner, "batch") == "batch"
+    seen["same_addresses"] = _addresses(metadata) == addresses
+    return seen
+
+
+def _addresses(metadata: Any) -> list[int]:
+    """The storage addresses of the metadata's tensors (a captured CUDA graph reads these)."""
+    names = (
+        "physical_to_logical_map",
+        "physical_to_logical_map_cpu",
+        "logical_to_all_physical_map",
+        "logical_to_all_physical_map_cpu",
+        "logical_to_all_physical_map_num_valid",
+        "logical_to_rank_dispatch_physical_map",
+    )
+    return [
+        getattr(metadata, name).data_ptr()
+        for name in names
+        if getattr(metadata, name, None) is not None
+    ]
