@@ -8,7 +8,6 @@ take are defined once (``SHARED_OPTIONS``) and shared as parent parsers.
 from __future__ import annotations
 
 import argparse
-import datetime
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -108,20 +107,14 @@ def _kinds(value: str) -> list[str]:
 
 
 def _timestamp(value: str) -> str:
-    """An ISO-8601 time (no zone = UTC) as the ledger writes times, so text order is time order.
-    A trailing ``Z`` means UTC on every Python (``fromisoformat`` takes it only from 3.11)."""
-    spelled = value.strip()
-    if spelled[-1:] in ("Z", "z"):
-        spelled = spelled[:-1] + "+00:00"
+    """An ISO-8601 time (no zone = UTC) or a relative one (``1h``, ``30min``, ``2d``,
+    ``"1 hour ago"``: back from now), as the ledger writes times, so text order is time order."""
+    from layout_ledger.cli.time_text import EXAMPLE, parse_time
+
     try:
-        moment = datetime.datetime.fromisoformat(spelled)
+        return parse_time(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an ISO-8601 time like 2026-11-29T13:00:00Z, got {value!r}"
-        ) from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=datetime.timezone.utc)
-    return moment.astimezone(datetime.timezone.utc).isoformat(timespec="microseconds")
+        raise argparse.ArgumentTypeError(f"expected a time like {EXAMPLE}, got {value!r}") from None
 
 
 def _pixels(value: str) -> tuple[int, int]:
@@ -299,9 +292,33 @@ def _history_options(parser: argparse.ArgumentParser) -> None:
         metavar="KIND[,KIND...]",
         help=f"only events of these kinds (repeatable): {', '.join(ALL_KINDS)}",
     )
-    parser.add_argument("--since", type=_timestamp, metavar="TIME", help="events at or after")
-    parser.add_argument("--until", type=_timestamp, metavar="TIME", help="events before")
+    parser.add_argument(
+        "--since",
+        type=_timestamp,
+        metavar="TIME",
+        help="events at or after TIME: ISO-8601 (UTC when no zone is given) or relative, back "
+        "from now: 1h, 30min, 2d, '1 hour ago'",
+    )
+    parser.add_argument(
+        "--until", type=_timestamp, metavar="TIME", help="events before TIME (as --since)"
+    )
     parser.add_argument("--last", type=_positive, metavar="N", help="only the last N events")
+    parser.add_argument(
+        "--after-event",
+        type=_non_negative,
+        metavar="N",
+        help="only events whose event_id is above N: a poller passes the last event_id it "
+        "printed (--nl/--csv column event_id, --json cursor) and never sees an event twice",
+    )
+    parser.add_argument("-r", "--reverse", action="store_true", help="newest event first")
+    parser.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="after the matching events (the last 10 unless --last, --since or --after-event "
+        "says otherwise), print each new one as the daemon commits it, until interrupted "
+        "(Ctrl-C: exit 0); text, --nl or --csv",
+    )
 
 
 def _show_options(parser: argparse.ArgumentParser) -> None:
@@ -566,6 +583,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             verb.error(f"argument --label: {twice[0]!r} given twice; give each label once")
+    if args.command == "history" and args.follow:
+        for given, name in (
+            (args.json, "--json"),
+            (args.reverse, "--reverse"),
+            (args.until, "--until"),
+        ):
+            if given:
+                verb.error(f"--follow prints events as they come: it takes no {name}")
     if args.command == "fleet":
         args.wide = args.wide or args.output == "wide"
         if args.verify and args.ready_to_stop is not None:
