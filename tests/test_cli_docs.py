@@ -17,6 +17,7 @@ from layout_ledger.cli.parser import (
     verb_epilog,
     verb_exit_codes,
 )
+from layout_ledger.store.schema import KNOWN_REVISIONS, SCHEMA_HEAD
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_DOC = ROOT / "docs" / "cli.md"
@@ -136,3 +137,16 @@ def test_docs_cli_md_gives_each_command_the_exit_codes_its_help_lists(name):
     (section,) = (s for s in sections if s.startswith(f"`{name}`"))
     line = f"Exit codes (as `layout-ledger {name} --help` lists them): {exit_codes_line(name)}."
     assert line in section.splitlines()
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/cli.md", "docs/operations.md"])
+def test_the_schema_a_documented_output_names_is_the_migrations_head(document):
+    """An output shown in the docs (verify, upgrade, backup) is this code's: it names the
+    newest schema revision (a new migration updates the examples); only `upgrade`'s "from
+    schema R" names an older one."""
+    text = (ROOT / document).read_text()
+    names = r"\d{4}_[a-z][a-z_]*[a-z]"
+    named = re.findall(rf"(from schema |schema |to )({names})", text)
+    assert all(revision in KNOWN_REVISIONS for _, revision in named), named
+    shown = [revision for before, revision in named if before != "from schema "]
+    assert set(shown) <= {SCHEMA_HEAD}, f"{document} shows schema {sorted(set(shown))}"
