@@ -14,7 +14,9 @@ import json
 import multiprocessing
 import os
 import selectors
+import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -216,6 +218,51 @@ def test_follow_of_a_quiet_ledger_prints_the_last_ten_then_stops_on_sigint(clean
             follower.wait()
     assert (follower.returncode, err) == (0, b"")
     assert [line.split()[2] for line in lines.lines] == [f"#{n}" for n in range(8, 18)]
+
+
+def _start_a_new_incarnation(path: str) -> None:
+    from cli_ledgers import start
+
+    from layout_ledger.store.ledger import Ledger
+
+    start(Ledger.open(path))
+    os._exit(0)  # killed: the kernel drops the lock
+
+
+@pytest.mark.timeout(120)
+def test_follow_of_a_stopped_daemons_ledger_sees_the_next_daemon_start(tmp_path, clean):
+    # A stopped daemon's ledger is read in immutable mode (no -wal, no -shm made beside it);
+    # when a daemon starts on it, the follower reopens it and prints the new incarnation.
+    path = tmp_path / "stopped.sqlite"
+    shutil.copyfile(clean, path)
+    if Path(f"{clean}-wal").exists():
+        shutil.copyfile(f"{clean}-wal", f"{path}-wal")
+    conn = sqlite3.connect(path)  # the whole history into the main file, the WAL emptied
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    assert not Path(f"{path}-wal").exists() or Path(f"{path}-wal").stat().st_size == 0
+    follower = subprocess.Popen(
+        [str(CONSOLE_SCRIPT), "history", str(path), "--follow", "--kind", "start", "--nl"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        lines = _Lines(follower)
+        lines.read_until(lambda got: len(got) >= 2, 60)
+        daemon = multiprocessing.get_context("fork").Process(
+            target=_start_a_new_incarnation, args=(str(path),)
+        )
+        daemon.start()
+        daemon.join(60)
+        lines.read_until(lambda got: len(got) >= 3, 30)
+        follower.send_signal(signal.SIGINT)
+        _, err = follower.communicate(timeout=30)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    assert (follower.returncode, err) == (0, b"")
+    assert [json.loads(line)["incarnation_id"] for line in lines.lines] == [1, 2, 3]
 
 
 # --- status: how long ago -------------------------------------------------------------------
