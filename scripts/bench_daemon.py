@@ -6,8 +6,9 @@ Everything runs side by side in one run, over real Unix sockets, against model-l
 (sglang 0.5.23's real ``WeightCacheDaemon`` serve loop and request handling with the plugin,
 ``sglang_integration.testing.daemon``), each in its own process:
 
-1. Round trip of one all-layer chunk at DeepSeek-V3 scale (58 MoE layers x 288 physical slots,
-   256 logical experts): ``expert_layout_begin`` + ``expert_layout_commit`` of all 58 rows, each
+1. Round trip of one all-layer chunk at DeepSeek-V3 scale (scripts/deepseek_geometry.py: a map of
+   61 layers x 288 physical slots, 256 logical experts, whose layers 3-60 hold routed experts):
+   ``expert_layout_begin`` + ``expert_layout_commit`` of those 58 MoE layers' rows, each
    on its own connection as an engine sends them, against a daemon whose record is the SQLite
    ledger (every change durable before the reply) and against the same daemon code with an
    in-memory record (``MemoryJournal``). The two alternate round by round. Target: the ledger's
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from deepseek_geometry import DEEPSEEK_V3, DEEPSEEK_V3_MOE_LAYERS
 from layout_ledger.core.layout import trivial_map
 from sglang_integration.engine import client
 from sglang_integration.testing.daemon_control import (
@@ -47,7 +49,12 @@ from sglang_integration.testing.daemon_control import (
     start_daemon,
 )
 
-LAYERS, PHYSICAL, LOGICAL = 58, 288, 256  # DeepSeek-V3: 58 MoE layers, 256 experts + 32 redundant
+LAYERS, PHYSICAL, LOGICAL = (
+    DEEPSEEK_V3.num_layers,
+    DEEPSEEK_V3.num_physical_slots,
+    DEEPSEEK_V3.num_logical_experts,
+)
+MOE_LAYERS = list(DEEPSEEK_V3_MOE_LAYERS)  # an all-layer chunk: every layer with routed experts
 RATIO_TARGET = 3.0  # the proposal's
 RATIO_GOAL = 1.3  # the per-chunk overhead issue's: printed, not the exit status
 DETACH_P99_TARGET_MS = 100.0
@@ -69,14 +76,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 def alternating_maps() -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     """Two valid whole-model row sets that differ in every layer."""
     initial = trivial_map(LAYERS, PHYSICAL, LOGICAL)
-    shifted = {layer: [(v + 1 + layer) % LOGICAL for v in row] for layer, row in enumerate(initial)}
-    return shifted, dict(enumerate(initial))
+    shifted = {layer: [(v + 1 + layer) % LOGICAL for v in initial[layer]] for layer in MOE_LAYERS}
+    return shifted, {layer: initial[layer] for layer in MOE_LAYERS}
 
 
 def round_trip_ms(
     daemon: DaemonProcess, engine_id: str, version: int, rows: dict[int, list[int]]
 ) -> float:
-    layers = list(range(LAYERS))
+    layers = MOE_LAYERS
     start = time.perf_counter()
     begin = client.begin(daemon.socket_path, engine_id, version, layers)
     commit = client.commit(daemon.socket_path, engine_id, rows)
@@ -211,8 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratio_ok = ratio <= RATIO_TARGET
     print()
     print(
-        f"begin+commit of one all-layer chunk ({LAYERS} layers x {PHYSICAL} slots, "
-        f"{LOGICAL} logical experts), {args.rounds} rounds each, alternating"
+        f"begin+commit of one all-layer chunk ({len(MOE_LAYERS)} MoE layers of a {LAYERS} x "
+        f"{PHYSICAL} map, {LOGICAL} logical experts), {args.rounds} rounds each, alternating"
     )
     print(f"  {'record':<26} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8}")
     for name, values in times.items():

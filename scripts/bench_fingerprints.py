@@ -9,9 +9,10 @@ One MoE layer of one EP rank of DeepSeek-V3 at EP 8: 288 physical slots (256 rou
 hidden], w2 [experts, hidden, intermediate], moe_intermediate_size 2048, hidden_size 7168): 88 MB
 per slot, 3.17 GB per layer. ``fingerprint_slots`` of that layer (median of ``--repeats``) is
 measured next to a memory copy of the same tensors (``dst.copy_(src)``) in the same run. The
-cost of one all-layer chunk (58 MoE layers) is 58 times the per-layer cost; ``--chunk``
-measures it too, 58 calls over the same layer's tensors (3.17 GB each time, far beyond any
-cache). ``--scale K`` divides the hidden and intermediate sizes by K (a quick run).
+cost of one all-layer chunk (the 58 MoE layers 3-60 of DeepSeek-V3's 61,
+scripts/deepseek_geometry.py) is 58 times the per-layer cost; ``--chunk`` measures it too, 58
+calls over the same layer's tensors (3.17 GB each time, far beyond any cache). ``--scale K``
+divides the hidden and intermediate sizes by K (a quick run).
 
 The definition in force (``DISTINCT``: 2048-word chunks, no weight repeated within a chunk) is
 measured side by side with the one before it (``FIRST``: 4096-word chunks, 512 distinct weights)
@@ -38,11 +39,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from deepseek_geometry import DEEPSEEK_V3, DEEPSEEK_V3_MOE_LAYERS
 from sglang_integration.content import fingerprints as fp
 from sglang_integration.content.fingerprints import fingerprint_slots
 
-MOE_LAYERS = 58
-LOCAL_SLOTS = 288 // 8
+MOE_LAYERS = len(DEEPSEEK_V3_MOE_LAYERS)  # layers 3-60 hold routed experts
+LOCAL_SLOTS = DEEPSEEK_V3.num_physical_slots // 8  # one GPU of EP 8
 HIDDEN = 7168
 INTERMEDIATE = 2048
 # Traffic per byte of weights (module docstring) and an H200's HBM3e bandwidth.

@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Ledger benchmark at DeepSeek-V3 scale (58 layers x 288 physical slots, 256 logical experts).
+"""Ledger benchmark at DeepSeek-V3 scale (scripts/deepseek_geometry.py: the map a DeepSeek-V3
+daemon keeps, 61 layers x 288 physical slots, 256 logical experts; an all-layer chunk moves the
+58 layers 3-60 that hold routed experts).
 
 Prints, measured side by side in one run:
   (a) durable commit of one all-layer chunk: ledger vs in-memory record vs an atomic rewrite
@@ -32,8 +34,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from deepseek_geometry import DEEPSEEK_V3, DEEPSEEK_V3_MOE_LAYERS
 from layout_ledger.core import events as ev
-from layout_ledger.core.layout import Geometry, row_json, trivial_map
+from layout_ledger.core.layout import row_json, trivial_map
 from layout_ledger.core.record import LayoutRecord
 from layout_ledger.history.reader import LedgerReader
 from layout_ledger.store.ledger import Ledger
@@ -42,8 +45,17 @@ from layout_ledger.store.rows import current_version, incarnation, map_at
 from layout_ledger.wire.protocol import pending_to_wire
 from sglang_integration.settings import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY
 
-GEOMETRY = Geometry(num_layers=58, num_physical_slots=288, num_logical_experts=256)
-ALL_LAYERS = list(range(GEOMETRY.num_layers))
+GEOMETRY = DEEPSEEK_V3
+# An all-layer chunk: every layer with routed experts (the dense layers 0-2 never move).
+ALL_LAYERS = list(DEEPSEEK_V3_MOE_LAYERS)
+
+
+def _initial() -> list[list[int]]:
+    return trivial_map(
+        GEOMETRY.num_layers, GEOMETRY.num_physical_slots, GEOMETRY.num_logical_experts
+    )
+
+
 # What a daemon prunes by itself with the default settings.
 DAEMON_RETENTION = Retention(keep_versions=DEFAULT_KEEP_VERSIONS, prune_every=DEFAULT_PRUNE_EVERY)
 
@@ -142,7 +154,7 @@ def ms(seconds: float) -> str:
 def bench_commit(workdir: Path, commits: int) -> dict[str, list[float]]:
     rng = random.Random(1)
     chunks = [random_rows(rng, ALL_LAYERS) for _ in range(commits)]
-    initial = trivial_map(58, 288, 256)
+    initial = _initial()
     ledger = Ledger.open(workdir / "commit.sqlite", DAEMON_RETENTION)
     records = {
         "ledger (SQLite, WAL, synchronous=FULL)": ledger.start_incarnation(GEOMETRY, initial),
@@ -202,11 +214,11 @@ def _floor_connection(path: Path) -> sqlite3.Connection:
 def bench_reconstruction(workdir: Path, versions: int, repeats: int) -> dict[str, float]:
     path = workdir / f"history-{versions}.sqlite"
     ledger = Ledger.open(path, Retention(keep_versions=10**9, prune_every=10**9))
-    record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
+    record = ledger.start_incarnation(GEOMETRY, _initial())
     record.attach("engine")
     rng = random.Random(versions)
     for _ in range(versions):
-        layer = rng.randrange(GEOMETRY.num_layers)
+        layer = rng.choice(ALL_LAYERS)
         record.begin("engine", record.version, [layer])
         record.commit("engine", random_rows(rng, [layer]))
     ledger.close()
@@ -250,7 +262,7 @@ def file_bytes(path: Path) -> int:
 def bench_row_bytes(workdir: Path, commits: int) -> float:
     path = workdir / "rows.sqlite"
     ledger = Ledger.open(path, Retention(keep_versions=10**9, prune_every=10**9))
-    record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
+    record = ledger.start_incarnation(GEOMETRY, _initial())
     record.attach("engine")
     ledger.checkpoint(truncate=True)
     before = file_bytes(path)
@@ -261,13 +273,13 @@ def bench_row_bytes(workdir: Path, commits: int) -> float:
     ledger.checkpoint(truncate=True)
     after = file_bytes(path)
     ledger.close()
-    return (after - before) / (commits * GEOMETRY.num_layers)
+    return (after - before) / (commits * len(ALL_LAYERS))
 
 
 def bench_week(workdir: Path, commits: int) -> tuple[int, int]:
     path = workdir / "week.sqlite"
     ledger = Ledger.open(path, DAEMON_RETENTION)
-    record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
+    record = ledger.start_incarnation(GEOMETRY, _initial())
     record.attach("engine")
     rng = random.Random(4)
     pool = [random_rows(rng, ALL_LAYERS) for _ in range(16)]
@@ -302,7 +314,7 @@ def bench_reader_snapshot(workdir: Path, seconds: float, reader: bool) -> list[f
 
     path = workdir / f"snapshot-{reader}.sqlite"
     ledger = Ledger.open(path, Retention(keep_versions=10**9, prune_every=10**9))
-    record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
+    record = ledger.start_incarnation(GEOMETRY, _initial())
     record.attach("engine")
     rng = random.Random(5)
     pool = [random_rows(rng, ALL_LAYERS) for _ in range(16)]
@@ -335,7 +347,7 @@ def bench_refusal_flood(workdir: Path, refusals: int) -> tuple[int, float]:
 
     path = workdir / "flood.sqlite"
     ledger = Ledger.open(path, DAEMON_RETENTION)
-    record = ledger.start_incarnation(GEOMETRY, trivial_map(58, 288, 256))
+    record = ledger.start_incarnation(GEOMETRY, _initial())
     record.attach("engine")
     ledger.checkpoint(truncate=True)
     before = file_bytes(path)

@@ -34,8 +34,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from deepseek_geometry import DEEPSEEK_V3, DEEPSEEK_V3_MOE_LAYERS
 from layout_ledger.cli.commands.metrics import collect_metrics, exposition, serve_metrics
-from layout_ledger.core.layout import Geometry, trivial_map
+from layout_ledger.core.layout import trivial_map
 from layout_ledger.core.record import LayoutRecord
 from layout_ledger.store.ledger import Ledger
 from layout_ledger.store.origin import IncarnationOrigin
@@ -44,8 +45,8 @@ from layout_ledger.store.retention import Retention
 from layout_ledger.store.rows import incarnation, row_jsons_at
 from sglang_integration.settings import DEFAULT_KEEP_VERSIONS, DEFAULT_PRUNE_EVERY
 
-GEOMETRY = Geometry(num_layers=61, num_physical_slots=288, num_logical_experts=256)
-MOE_LAYERS = list(range(3, 61))  # DeepSeek-V3: first_k_dense_replace = 3
+GEOMETRY = DEEPSEEK_V3
+MOE_LAYERS = list(DEEPSEEK_V3_MOE_LAYERS)  # DeepSeek-V3: first_k_dense_replace = 3
 CHUNK = 4
 ENGINE = "engine-bench"
 RETENTION = Retention(keep_versions=DEFAULT_KEEP_VERSIONS, prune_every=DEFAULT_PRUNE_EVERY)

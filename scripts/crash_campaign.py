@@ -3,7 +3,8 @@
 
 A model-less daemon (sglang's real serve loop with this plugin's hooks and a real ledger) serves
 an engine that begins and commits moves as fast as it can, at DeepSeek-V3 scale by default
-(58 layers x 288 physical slots, 256 experts); the daemon keeps little history
+(the map a DeepSeek-V3 daemon keeps, scripts/deepseek_geometry.py: 61 layers x 288 physical
+slots, 256 experts); the daemon keeps little history
 (``--keep-versions 40 --prune-every 10``), so its own retention prunes all the time. Another
 process opens read snapshots of the ledger and holds each for a while (an operator's
 ``sqlite3``). At a random moment the daemon is SIGKILLed; between some kills ``layout-ledger
@@ -36,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deepseek_geometry import DEEPSEEK_V3
 from layout_ledger.cli.commands.prune import prune_ledger
 from layout_ledger.core.errors import LedgerError
 from layout_ledger.core.layout import Geometry, layout_digest, trivial_map
@@ -46,7 +48,6 @@ from layout_ledger.store.rows import incarnation
 from sglang_integration.engine import client
 from sglang_integration.testing.daemon_control import DaemonProcess, start_daemon
 
-DEEPSEEK_V3 = Geometry(num_layers=58, num_physical_slots=288, num_logical_experts=256)
 SMALL = Geometry(num_layers=8, num_physical_slots=12, num_logical_experts=8)
 RETENTION = ["--keep-versions", "40", "--prune-every", "10"]
 FULL_VERIFY_EVERY = 50

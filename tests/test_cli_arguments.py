@@ -17,7 +17,7 @@ from cli_ledgers import build, execute, run_cli
 from test_cli_read import clean_history
 
 import layout_ledger
-from layout_ledger.cli import exit_codes
+from layout_ledger.cli import exit_codes, time_text
 from layout_ledger.cli import parser as cli
 from layout_ledger.core.errors import LedgerError
 
@@ -126,8 +126,10 @@ class _Python310Datetime(datetime.datetime):
 
 @pytest.mark.parametrize("value", ["2026-01-01T00:00:15Z", "2026-01-01T00:00:15z"])
 def test_since_accepts_a_trailing_z_on_every_python(clean, capsys, monkeypatch, value):
-    stand_in = types.SimpleNamespace(datetime=_Python310Datetime, timezone=datetime.timezone)
-    monkeypatch.setattr(cli, "datetime", stand_in)
+    stand_in = types.SimpleNamespace(
+        datetime=_Python310Datetime, timezone=datetime.timezone, timedelta=datetime.timedelta
+    )
+    monkeypatch.setattr(time_text, "datetime", stand_in)
     code, out, err = run_cli(capsys, "history", str(clean), "--since", value)
     assert (code, err) == (exit_codes.OK, "")
     assert _event_ids(out) == [16, 17]

@@ -156,7 +156,10 @@ BAD_ARGUMENTS = [
     (["show", "L", "--layers", "5-2"], "argument --layers: bad layer range '5-2'"),
     (["show", "L", "--ep-size", "two"], "argument --ep-size: expected a whole number"),
     (["history", "L", "--kind", "explode"], "argument --kind: invalid choice: 'explode'"),
-    (["history", "L", "--since", "yesterday"], "argument --since: expected an ISO-8601 time"),
+    (
+        ["history", "L", "--since", "yesterday"],
+        "argument --since: expected a time like 2026-11-29T13:00:00Z, 1h",
+    ),
     (["diff", "L", "1"], "the following arguments are required: V2"),
     (["export", "L"], "the following arguments are required: -o/--output"),
     (["export", "L", "-o", "x.json", "--check"], "export --check needs --model-path DIR"),

@@ -56,6 +56,7 @@ SERIES = {
     "sglang_expert_layout_ledger_file_bytes",
     "sglang_expert_layout_ledger_wal_bytes",
     "sglang_expert_layout_begin_refusals_total",
+    "sglang_expert_layout_busy_begins_total",
     "sglang_expert_layout_ledger_retired",
     "sglang_expert_layout_exporter_collected_timestamp_seconds",
     # issue 21: standbys' leases
@@ -73,7 +74,10 @@ def parse(text: str) -> dict[tuple[str, str], Any]:
             key = (sample.name, sample.labels.get("ledger", ""))
             if sample.name == "sglang_expert_layout_refusals_total":
                 key = (f"{sample.name}:{sample.labels['kind']}", sample.labels["ledger"])
-            if sample.name == "sglang_expert_layout_begin_refusals_total":
+            if sample.name in (
+                "sglang_expert_layout_begin_refusals_total",
+                "sglang_expert_layout_busy_begins_total",
+            ):
                 key = (f"{sample.name}:{sample.labels['reason']}", sample.labels["ledger"])
             is_attached = sample.name == "sglang_expert_layout_attached_engines"
             if is_attached and sample.labels["role"] != "active":
@@ -127,7 +131,8 @@ def test_metrics_writes_every_series_for_every_ledger_atomically_as_a_textfile(
     assert values["sglang_expert_layout_attached_engines", first] == 1
     assert values["sglang_expert_layout_daemon_up", first] == 1
     assert values["sglang_expert_layout_commits_total", first] == 2
-    assert values["sglang_expert_layout_refusals_total:begin_busy", first] == 1
+    # A busy begin is no refusal: counted apart, as status counts it.
+    assert ("sglang_expert_layout_refusals_total:begin_busy", first) not in values
     assert values["sglang_expert_layout_refusals_total:fetch_refused", first] == 0
     assert values["sglang_expert_layout_incarnation", first] == 1
     assert (
@@ -140,8 +145,9 @@ def test_metrics_writes_every_series_for_every_ledger_atomically_as_a_textfile(
     assert values["sglang_expert_layout_digest_prefix", first] == int(
         engine.records[0].digest[:12], 16
     )
-    # "engine-a is attached" is no wording of the rules: counted as "other"
-    assert values["sglang_expert_layout_begin_refusals_total:other", first] == 1
+    # "engine-a is attached" is no wording of the rules: a busy begin counted as "busy_other"
+    assert values["sglang_expert_layout_busy_begins_total:busy_other", first] == 1
+    assert values["sglang_expert_layout_begin_refusals_total:other", first] == 0
     assert info.labels["config_fingerprint"] == "fp-0"
 
 

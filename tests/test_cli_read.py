@@ -6,6 +6,7 @@ Every ledger here was written through ``Ledger``/``LayoutRecord`` with a fixed c
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sqlite3
@@ -13,14 +14,28 @@ import stat
 from pathlib import Path
 
 import pytest
-from cli_ledgers import MOVES, at, build, map_after, run_cli
+from cli_ledgers import EPOCH, MOVES, at, build, map_after, run_cli
 
 from layout_ledger.cli import exit_codes
+from layout_ledger.cli.commands import status as status_command
+from layout_ledger.cli.time_text import ago
 from layout_ledger.core.layout import layout_digest, trivial_map
 from layout_ledger.history.reader import LedgerReader
 from layout_ledger.wire.protocol import LayoutView
 
 INITIAL = trivial_map(4, 6, 4)
+# status's clock in these tests: a day after the ledgers' clock began (no refusal is recent).
+STATUS_NOW = EPOCH + datetime.timedelta(days=1)
+
+
+@pytest.fixture(autouse=True)
+def status_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(status_command, "_utc_now", lambda: STATUS_NOW)
+
+
+def when(second: int) -> str:
+    """The ledger's time ``second`` as status shows it: the time, and how long ago."""
+    return f"{at(second)}; {ago(at(second), STATUS_NOW)}"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +56,7 @@ def test_status_of_a_killed_daemons_clean_ledger_shows_every_field_and_exits_6(l
     assert (code, err) == (exit_codes.NOT_RUNNING, "")
     assert out == (
         f"ledger:              {path}\n"
-        f"incarnation:         2 of 2 (started {at(4)}, not running, no clean end recorded)\n"
+        f"incarnation:         2 of 2 (started {when(4)}, not running, no clean end recorded)\n"
         "daemon:              not recorded\n"
         "device:              not recorded\n"
         "software:            not recorded\n"
@@ -56,7 +71,7 @@ def test_status_of_a_killed_daemons_clean_ledger_shows_every_field_and_exits_6(l
         "non-following fetch: no\n"
         "refusals:            0\n"
         "busy begins:         1 (answered busy, not refused)\n"
-        f"last event:          {at(16)} commit engine-a\n"
+        f"last event:          {at(16)} commit engine-a; {ago(at(16), STATUS_NOW)}\n"
         "state:               not_running\n"
     )
 
@@ -69,7 +84,7 @@ def test_status_of_a_dirty_ledger_names_engine_layers_and_base_version_and_exits
     moved[1] = [3, 2, 1, 0, 0, 1]
     assert out == (
         f"ledger:              {path}\n"
-        f"incarnation:         1 of 1 (started {at(0)}, not running, no clean end recorded)\n"
+        f"incarnation:         1 of 1 (started {when(0)}, not running, no clean end recorded)\n"
         "daemon:              not recorded\n"
         "device:              not recorded\n"
         "software:            not recorded\n"
@@ -78,7 +93,7 @@ def test_status_of_a_dirty_ledger_names_engine_layers_and_base_version_and_exits
         "version:             1\n"
         f"digest:              {layout_digest(moved)}\n"
         "history held:        versions 0..1\n"
-        f"dirty:               yes, since {at(5)}: engine 'engine-a' detached while its move "
+        f"dirty:               yes, since {when(5)}: engine 'engine-a' detached while its move "
         "of layers [2, 3] from version 1 was pending, so the weights of those layers may be "
         "half-moved; restart the daemon (it reloads the weights from disk) and the engines "
         "that use it\n"
@@ -86,7 +101,7 @@ def test_status_of_a_dirty_ledger_names_engine_layers_and_base_version_and_exits
         "attached:            none\n"
         "non-following fetch: no\n"
         "refusals:            2 (none in the last 10 minutes)\n"
-        f"last event:          {at(7)} begin_refused engine-b\n"
+        f"last event:          {at(7)} begin_refused engine-b; {ago(at(7), STATUS_NOW)}\n"
         "state:               dirty\n"
     )
 
@@ -99,7 +114,7 @@ def test_status_of_a_ledger_mid_move_shows_the_pending_move_and_exits_4(ledgers,
     moved[0] = [1, 0, 2, 3, 0, 1]
     assert out == (
         f"ledger:              {path}\n"
-        f"incarnation:         1 of 1 (started {at(0)}, not running, no clean end recorded)\n"
+        f"incarnation:         1 of 1 (started {when(0)}, not running, no clean end recorded)\n"
         "daemon:              not recorded\n"
         "device:              not recorded\n"
         "software:            not recorded\n"
@@ -109,11 +124,11 @@ def test_status_of_a_ledger_mid_move_shows_the_pending_move_and_exits_4(ledgers,
         f"digest:              {layout_digest(moved)}\n"
         "history held:        versions 0..1\n"
         "dirty:               no\n"
-        f"pending move:        engine 'engine-a', layers 0-1, from version 1, since {at(4)}\n"
+        f"pending move:        engine 'engine-a', layers 0-1, from version 1, since {when(4)}\n"
         "attached:            engine-a\n"
         "non-following fetch: no\n"
         "refusals:            0\n"
-        f"last event:          {at(4)} begin engine-a\n"
+        f"last event:          {at(4)} begin engine-a; {ago(at(4), STATUS_NOW)}\n"
         "state:               pending\n"
     )
 
@@ -167,7 +182,7 @@ def test_status_json_of_the_dirty_ledger_holds_the_dirty_move(ledgers, capsys):
 def test_status_of_an_earlier_incarnation_shows_how_it_ended(ledgers, capsys):
     code, out, _ = run_cli(capsys, "status", str(ledgers["clean"]), "--incarnation", "1")
     assert code == exit_codes.OK
-    assert f"incarnation:         1 of 2 (started {at(0)}, ended {at(3)} (clean))\n" in out
+    assert f"incarnation:         1 of 2 (started {at(0)}, ended {when(3)} (clean))\n" in out
     assert "attached:            none\n" in out
 
 

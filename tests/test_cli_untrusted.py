@@ -81,7 +81,7 @@ def test_ledger_text_in_human_output_is_shown_with_backslash_escapes(tmp_path, c
     code, out, _ = run_cli(capsys, "status", str(path))
     assert code == exit_codes.NOT_RUNNING  # its daemon was killed
     assert f"attached:            {EVIL_ENGINE_SHOWN}\n" in out
-    assert f"last event:          {at(16)} commit {EVIL_ENGINE_SHOWN}\n" in out
+    assert f"last event:          {at(16)} commit {EVIL_ENGINE_SHOWN}; " in out
     _, out, _ = run_cli(capsys, "history", str(path), "--kind", "begin_busy", "--kind", "start")
     assert out.splitlines()[-1] == (
         f"{at(11)}  inc=2  #12  begin_busy engine={EVIL_ENGINE_SHOWN} version=2  "
@@ -98,7 +98,8 @@ def test_a_forged_line_in_a_dirty_reason_stays_inside_its_event_line(tmp_path, c
     assert line.endswith("and the engines that use it\\nstate: clean)")
     code, out, _ = run_cli(capsys, "status", str(path))
     assert code == exit_codes.DIRTY
-    assert f"dirty:               yes, since {at(5)}: engine '{EVIL_ENGINE_SHOWN}' detached" in out
+    assert f"dirty:               yes, since {at(5)}; " in out
+    assert f" ago: engine '{EVIL_ENGINE_SHOWN}' detached" in out
     assert out.splitlines()[-1] == "state:               dirty"
 
 

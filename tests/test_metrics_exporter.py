@@ -253,8 +253,7 @@ def test_the_runbooks_series_have_values(engine, tmp_path):
     assert values["sglang_expert_layout_non_following_fetch", "rank-00.sqlite", ""] == 0
     assert values["sglang_expert_layout_non_following_fetch", "rank-01.sqlite", ""] == 1
     assert (
-        values["sglang_expert_layout_begin_refusals_total", "rank-01.sqlite", "busy_other_engine"]
-        == 1
+        values["sglang_expert_layout_busy_begins_total", "rank-01.sqlite", "busy_other_engine"] == 1
     )
     assert values["sglang_expert_layout_exporter_collected_timestamp_seconds", "-", ""] == 1.0e9
 

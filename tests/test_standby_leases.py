@@ -91,7 +91,7 @@ def test_a_lease_is_refused_to_an_engine_not_attached_as_a_standby(record):
 def test_a_standby_without_a_lease_may_not_begin(record):
     with pytest.raises(errors.MoveBusy) as exc:
         record.begin("C", 0, [0])
-    assert begin_cause(str(exc.value)) == "standby_without_lease"
+    assert begin_cause(str(exc.value)) == "busy_standby_without_lease"
 
 
 def test_a_standby_holding_the_only_lease_moves_alone(record):

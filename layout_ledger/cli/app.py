@@ -1,7 +1,9 @@
 """``layout-ledger``: parse the command line, run the chosen verb, map its errors to exit codes.
 
 Only the chosen verb's module (``layout_ledger.cli.commands.<verb>``) is imported, after the
-arguments parse, so ``--version`` and ``--help`` import neither SQLAlchemy nor any verb. A
+arguments parse, so ``--version`` and ``--help`` import neither SQLAlchemy nor any verb (nor
+logging, json or the error types: a health check that asks ``--version`` pays for the
+interpreter and argparse, scripts/bench_cli.py). A
 ``LedgerError`` becomes one line on stderr and a non-zero exit (``exit_codes``), never a
 traceback; so does a bad argument.
 """
@@ -10,31 +12,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 
 from layout_ledger.cli import exit_codes
-from layout_ledger.cli.output import print_error
 from layout_ledger.cli.parser import PROG, UsageError, parse
-from layout_ledger.cli.terminal import PrintableFormatter, printable
-from layout_ledger.core.errors import (
-    LedgerError,
-    LedgerFileError,
-    LedgerInconsistent,
-    LedgerStorageError,
-    SchemaOutdated,
-    SchemaTooNew,
-)
-
-# Errors that mean "this file is no usable ledger (for this code)"; every other LedgerError
-# means the command could not do what was asked.
-UNUSABLE_ERRORS = (LedgerFileError, LedgerStorageError, SchemaOutdated, SchemaTooNew)
 
 
 def _configure_logging() -> None:
+    import logging
+
+    from layout_ledger.cli.terminal import PrintableFormatter
+
     handler = logging.StreamHandler()
     handler.setFormatter(PrintableFormatter(f"{PROG}: %(levelname)s: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
@@ -48,23 +37,42 @@ def _verb(command: str) -> Callable[[argparse.Namespace], int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _configure_logging()
     try:
         args = parse(argv)
     except UsageError as exc:
+        from layout_ledger.cli.terminal import printable
+
         sys.stderr.write(f"{printable(str(exc))}\n")
         return exit_codes.UNUSABLE
     except SystemExit as exc:  # --help, --version
         return int(exc.code or 0)
+    _configure_logging()
     return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
+    import json
+    import os
+
     from sqlalchemy.exc import SQLAlchemyError
+
+    from layout_ledger.cli.output import print_error
+    from layout_ledger.core.errors import (
+        LedgerError,
+        LedgerFileError,
+        LedgerInconsistent,
+        LedgerStorageError,
+        SchemaOutdated,
+        SchemaTooNew,
+    )
+
+    # Errors that mean "this file is no usable ledger (for this code)"; every other
+    # LedgerError means the command could not do what was asked.
+    unusable_errors = (LedgerFileError, LedgerStorageError, SchemaOutdated, SchemaTooNew)
 
     try:
         return _verb(args.command)(args)
-    except UNUSABLE_ERRORS as exc:
+    except unusable_errors as exc:
         print_error(args.command, str(exc))
         return exit_codes.UNUSABLE
     except LedgerInconsistent as exc:

@@ -8,7 +8,6 @@ take are defined once (``SHARED_OPTIONS``) and shared as parent parsers.
 from __future__ import annotations
 
 import argparse
-import datetime
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -19,7 +18,6 @@ if TYPE_CHECKING:
     from layout_ledger.cli.layer_ranges import LayerRanges
 
 PROG = "layout-ledger"
-DISTRIBUTION = "sglang-expert-layout-ledger"
 
 # SQLite integers are signed 64-bit: a larger number can name no version or incarnation.
 _LARGEST = 2**63 - 1
@@ -28,13 +26,9 @@ OptionAdder = Callable[[argparse.ArgumentParser], None]
 
 
 def tool_version() -> str:
-    """This tool's version: the installed distribution's, else the package's own."""
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return layout_ledger.__version__
+    """This tool's version: the package's own, which tests/test_cli_arguments.py keeps equal to
+    the installed distribution's (importlib.metadata alone costs a ``--version`` 25 ms)."""
+    return layout_ledger.__version__
 
 
 class UsageError(Exception):
@@ -49,8 +43,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _VersionAction(argparse._VersionAction):
-    """``--version``: the version is looked up only when asked for (importlib.metadata is slow
-    to import)."""
+    """``--version``: the version is looked up only when asked for."""
 
     def __call__(
         self,
@@ -108,20 +101,14 @@ def _kinds(value: str) -> list[str]:
 
 
 def _timestamp(value: str) -> str:
-    """An ISO-8601 time (no zone = UTC) as the ledger writes times, so text order is time order.
-    A trailing ``Z`` means UTC on every Python (``fromisoformat`` takes it only from 3.11)."""
-    spelled = value.strip()
-    if spelled[-1:] in ("Z", "z"):
-        spelled = spelled[:-1] + "+00:00"
+    """An ISO-8601 time (no zone = UTC) or a relative one (``1h``, ``30min``, ``2d``,
+    ``"1 hour ago"``: back from now), as the ledger writes times, so text order is time order."""
+    from layout_ledger.cli.time_text import EXAMPLE, parse_time
+
     try:
-        moment = datetime.datetime.fromisoformat(spelled)
+        return parse_time(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an ISO-8601 time like 2026-11-29T13:00:00Z, got {value!r}"
-        ) from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=datetime.timezone.utc)
-    return moment.astimezone(datetime.timezone.utc).isoformat(timespec="microseconds")
+        raise argparse.ArgumentTypeError(f"expected a time like {EXAMPLE}, got {value!r}") from None
 
 
 def _pixels(value: str) -> tuple[int, int]:
@@ -299,9 +286,33 @@ def _history_options(parser: argparse.ArgumentParser) -> None:
         metavar="KIND[,KIND...]",
         help=f"only events of these kinds (repeatable): {', '.join(ALL_KINDS)}",
     )
-    parser.add_argument("--since", type=_timestamp, metavar="TIME", help="events at or after")
-    parser.add_argument("--until", type=_timestamp, metavar="TIME", help="events before")
+    parser.add_argument(
+        "--since",
+        type=_timestamp,
+        metavar="TIME",
+        help="events at or after TIME: ISO-8601 (UTC when no zone is given) or relative, back "
+        "from now: 1h, 30min, 2d, '1 hour ago'",
+    )
+    parser.add_argument(
+        "--until", type=_timestamp, metavar="TIME", help="events before TIME (as --since)"
+    )
     parser.add_argument("--last", type=_positive, metavar="N", help="only the last N events")
+    parser.add_argument(
+        "--after-event",
+        type=_non_negative,
+        metavar="N",
+        help="only events whose event_id is above N: a poller passes the last event_id it "
+        "printed (--nl/--csv column event_id, --json cursor) and never sees an event twice",
+    )
+    parser.add_argument("-r", "--reverse", action="store_true", help="newest event first")
+    parser.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="after the matching events (the last 10 unless --last, --since or --after-event "
+        "says otherwise), print each new one as the daemon commits it, until interrupted "
+        "(Ctrl-C: exit 0); text, --nl or --csv",
+    )
 
 
 def _show_options(parser: argparse.ArgumentParser) -> None:
@@ -497,6 +508,136 @@ VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
     "unretire": (("paths", "json"), None),
 }
 
+# Each verb's --help ends with examples (the README's command table shows the first) and the
+# exit codes it can give; docs/cli.md repeats the codes under each command ("Exit codes:" line,
+# tests/test_cli_docs.py keeps the three in step).
+_BAD = "bad arguments, or no usable ledger file"
+VERB_EXAMPLES: dict[str, tuple[str, ...]] = {
+    "status": (
+        "layout-ledger status LEDGER",
+        "layout-ledger status '/var/lib/sglang/expert_layout_{device_uuid}.sqlite' --json",
+    ),
+    "history": (
+        "layout-ledger history LEDGER --layers 17 --kind commit,dirty",
+        "layout-ledger history LEDGER --since '1 hour ago' --follow",
+        "layout-ledger history LEDGER --after-event 4182 --nl",
+    ),
+    "show": ("layout-ledger show LEDGER --version 12 --ep-size 2",),
+    "diff": ("layout-ledger diff LEDGER 3 12", "layout-ledger diff LEDGER 3 12 --slots --csv"),
+    "export": (
+        "layout-ledger export LEDGER -o layout.json",
+        "layout-ledger export LEDGER -o layout.json --check --model-path /models/DeepSeek-V3",
+    ),
+    "verify": ("layout-ledger verify LEDGER",),
+    "plot": (
+        "layout-ledger plot LEDGER -o layout.svg --ep-size 2",
+        "layout-ledger plot LEDGER -o moves.png --moves",
+    ),
+    "prune": (
+        "layout-ledger prune LEDGER --keep 100",
+        "layout-ledger prune LEDGER --keep 100 --dry-run",
+    ),
+    "upgrade": ("layout-ledger upgrade LEDGER",),
+    "fleet": (
+        "layout-ledger fleet '/var/lib/sglang/expert_layout_{device_uuid}.sqlite'",
+        "layout-ledger fleet DIR --wide",
+        "layout-ledger fleet DIR --ready-to-stop engine-a && stop-the-engine",
+    ),
+    "metrics": (
+        "layout-ledger metrics DIR -o /var/lib/node_exporter/textfile/expert_layout.prom",
+        "layout-ledger metrics DIR --serve :9400 --label engine=ds-v3",
+    ),
+    "backup": ("layout-ledger backup LEDGER /backups/",),
+    "cordon": ('layout-ledger cordon DIR --reason "engine upgrade"',),
+    "uncordon": ("layout-ledger uncordon DIR",),
+    "retire": ('layout-ledger retire LEDGER --reason "GPU 3 replaced"',),
+    "unretire": ("layout-ledger unretire LEDGER",),
+}
+VERB_EXIT_CODES: dict[str, tuple[tuple[int, str], ...]] = {
+    "status": (
+        (0, "clean (or retired)"),
+        (2, _BAD),
+        (3, "dirty"),
+        (4, "a move pending, or a refusal in the last 10 minutes"),
+        (6, "the daemon of the latest incarnation does not run"),
+    ),
+    "history": (
+        (0, "ok, also when nothing matches, and --follow ended by Ctrl-C"),
+        (1, "a layer beyond the ledger's maps, or an ambiguous --engine prefix"),
+        (2, _BAD),
+    ),
+    "show": (
+        (0, "ok"),
+        (1, "a version not held, a layer out of range, a bad --ep-size"),
+        (2, _BAD),
+    ),
+    "diff": ((0, "ok"), (1, "a version not held"), (2, _BAD)),
+    "export": (
+        (0, "written"),
+        (1, "a version not held, a bad --ep-size, the file cannot be written"),
+        (2, _BAD),
+        (5, "--check: sglang's map differs from the ledger's (nothing written)"),
+    ),
+    "verify": ((0, "no inconsistency"), (2, _BAD), (5, "an inconsistency (the first is named)")),
+    "plot": ((0, "written"), (1, "a bad suffix or --ep-size, matplotlib missing"), (2, _BAD)),
+    "prune": (
+        (0, "pruned (or --dry-run)"),
+        (1, "refused: a move pending, or a daemon owns the file"),
+        (2, _BAD),
+        (5, "refused: the ledger fails verify (nothing removed)"),
+    ),
+    "upgrade": ((0, "upgraded, or already current"), (1, "a daemon owns the file"), (2, _BAD)),
+    "fleet": (
+        (0, "an engine would start (adopt V or keep the initial layout); --ready-to-stop: ready"),
+        (2, _BAD),
+        (3, "a running daemon is dirty"),
+        (4, "a move is pending"),
+        (5, "the ledgers disagree; --verify: a ledger fails verify"),
+        (6, "no daemon of the ledgers runs (--ready-to-stop: one does not)"),
+        (7, "--ready-to-stop: not ready (a rank not cordoned, or the engine not attached)"),
+    ),
+    "metrics": (
+        (0, "written or served"),
+        (1, "prometheus_client missing, or --serve cannot listen"),
+        (2, "bad arguments, or a ledger cannot be read (the others are still written)"),
+    ),
+    "backup": ((0, "copied"), (1, "DEST exists or cannot be written"), (2, _BAD)),
+    "cordon": (
+        (0, "every daemon cordoned"),
+        (1, "a daemon refused or could not be read"),
+        (2, _BAD),
+        (6, "a daemon does not run"),
+    ),
+    "uncordon": (
+        (0, "every cordon lifted"),
+        (1, "a daemon refused or could not be read"),
+        (2, _BAD),
+        (6, "a daemon does not run"),
+    ),
+    "retire": ((0, "retired (or already)"), (1, "a ledger's daemon may run"), (2, _BAD)),
+    "unretire": ((0, "counted again (or already)"), (2, _BAD)),
+}
+# Every command: Ctrl-C.
+_INTERRUPTED = (130, "interrupted (Ctrl-C)")
+
+
+def verb_exit_codes(verb: str) -> tuple[tuple[int, str], ...]:
+    """The exit codes ``verb`` can give, in order, Ctrl-C's last (``history --follow`` and
+    ``metrics --serve`` end with 0 on Ctrl-C: it is how they stop)."""
+    return (*VERB_EXIT_CODES[verb], _INTERRUPTED)
+
+
+def exit_codes_line(verb: str) -> str:
+    """The exit codes of ``verb`` on one line, as docs/cli.md gives them."""
+    return "; ".join(f"{code} {meaning}" for code, meaning in verb_exit_codes(verb))
+
+
+def verb_epilog(verb: str) -> str:
+    examples = "\n".join(f"  {example}" for example in VERB_EXAMPLES[verb])
+    codes = "\n".join(f"  {code:<3} {meaning}" for code, meaning in verb_exit_codes(verb))
+    return f"examples:\n{examples}\n\nexit codes:\n{codes}"
+
+
 EPILOG = (
     "exit codes: 0 ok; 1 the command could not do what was asked; 2 bad arguments or no usable "
     "ledger file; 3 (status, fleet) dirty; 4 (status) move pending or recent refusals, (fleet) a "
@@ -535,7 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
             parents=[parents[option] for option in shared],
             help=summary,
             description=summary[0].upper() + summary[1:] + ".",
-            epilog=EPILOG,
+            epilog=verb_epilog(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         if own is not None:
             own(command)
@@ -566,6 +708,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             verb.error(f"argument --label: {twice[0]!r} given twice; give each label once")
+    if args.command == "history" and args.follow:
+        for given, name in (
+            (args.json, "--json"),
+            (args.reverse, "--reverse"),
+            (args.until, "--until"),
+        ):
+            if given:
+                verb.error(f"--follow prints events as they come: it takes no {name}")
     if args.command == "fleet":
         args.wide = args.wide or args.output == "wide"
         if args.verify and args.ready_to_stop is not None:

@@ -28,15 +28,22 @@ def _csv_cell(value: Any) -> str:
 
 
 def write_rows(
-    stream: TextIO, form: str, columns: Sequence[str], rows: Sequence[JsonObject]
+    stream: TextIO,
+    form: str,
+    columns: Sequence[str],
+    rows: Sequence[JsonObject],
+    *,
+    header: bool = True,
 ) -> None:
-    """Write ``rows`` (objects with exactly ``columns``) to ``stream`` as ``form``."""
+    """Write ``rows`` (objects with exactly ``columns``) to ``stream`` as ``form`` (a CSV's
+    header line only when ``header``: ``history --follow`` writes more rows later)."""
     if form == "nl":
         for row in rows:
             stream.write(json.dumps({column: row[column] for column in columns}) + "\n")
     elif form == "csv":
         writer = csv.writer(stream)
-        writer.writerow(columns)
+        if header:
+            writer.writerow(columns)
         writer.writerows([_csv_cell(row[column]) for column in columns] for row in rows)
     else:
         raise ValueError(f"unknown row format {form!r}; expected one of {ROW_FORMATS}")

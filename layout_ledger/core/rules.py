@@ -304,7 +304,7 @@ def check_cordon_reason(reason: Any) -> str:
 # it; a reason none matches (an older daemon's wording) is "other".
 BEGIN_CAUSES: tuple[tuple[str, str], ...] = (
     ("this daemon is cordoned", "cordoned"),
-    ("is attached as a standby and holds no lease", "standby_without_lease"),
+    ("is attached as a standby and holds no lease", "busy_standby_without_lease"),
     ("expert layout is unknown", "dirty"),
     ("engine_id ", "invalid_engine_id"),
     (" is not attached", "not_attached"),

@@ -292,8 +292,10 @@ _INCARNATION_CHECKS: tuple[tuple[str, Callable[[Connection, Incarnation], str]],
 )
 
 
-def collect_verify(ledger: LedgerReader) -> VerifyReport:
-    """Every check, in order:
+def collect_verify(
+    ledger: LedgerReader, on_phase: Callable[[str], None] | None = None
+) -> VerifyReport:
+    """Every check, in order (each named to ``on_phase`` as it begins: the CLI's progress line):
 
     - ``integrity_check``: SQLite's ``PRAGMA integrity_check``; ``foreign_key_check`` likewise.
     - per incarnation, ``version_chain``: its versions are 0..current without a gap.
@@ -317,25 +319,41 @@ def collect_verify(ledger: LedgerReader) -> VerifyReport:
       (``store.chain``), which also catches an edit that leaves a history the rules
       allow; the head it reaches is printed, to compare with the daemon's log.
     """
+    phase = on_phase or _quiet
     results = []
     with ledger.connect() as conn:
         revision = file_revision(conn)
-        results.append(_pragma_check(conn, "integrity_check"))
-        results.append(_pragma_check(conn, "foreign_key_check"))
-        for inc in incarnation_rows(conn):
+        for pragma in ("integrity_check", "foreign_key_check"):
+            phase(pragma)
+            results.append(_pragma_check(conn, pragma))
+        rows = incarnation_rows(conn)
+        for number, inc in enumerate(rows, 1):
             if isinstance(inc, DamagedRow):
                 results.append(CheckResult("rows", inc.row_id, False, str(inc)))
             else:
-                results.extend(_incarnation_checks(conn, inc))
+                where = f"incarnation {inc.incarnation_id} ({number} of {len(rows)})"
+                results.extend(_incarnation_checks(conn, inc, _named(phase, where)))
         # Last: an edit the rules can name is reported in their words first; the chain also
         # catches edits that leave a history the rules allow.
+        phase("hash chain")
         results.append(_chain_check(conn))
     return VerifyReport(str(ledger.path), revision, tuple(results))
 
 
-def _incarnation_checks(conn: Connection, inc: Incarnation) -> list[CheckResult]:
+def _quiet(text: str) -> None:
+    pass
+
+
+def _named(phase: Callable[[str], None], where: str) -> Callable[[str], None]:
+    return lambda name: phase(f"{name}, {where}")
+
+
+def _incarnation_checks(
+    conn: Connection, inc: Incarnation, phase: Callable[[str], None] = _quiet
+) -> list[CheckResult]:
     results = []
     for name, check in _INCARNATION_CHECKS:
+        phase(name)
         try:
             detail = check(conn, inc)
         except (Inconsistent, DamagedRow) as exc:

@@ -42,7 +42,27 @@ REFUSAL_KINDS: tuple[str, ...] = (
     ev.LEASE_BUSY,
 )
 # The causes refused and busy begins are counted by (``rules.begin_cause``): a bounded set.
-BEGIN_CAUSE_NAMES: tuple[str, ...] = (*(cause for _, cause in BEGIN_CAUSES), BEGIN_CAUSE_OTHER)
+# A busy begin whose reason names no busy cause (an older daemon's wording).
+BUSY_CAUSE_OTHER = "busy_other"
+BEGIN_CAUSE_NAMES: tuple[str, ...] = (
+    *(cause for _, cause in BEGIN_CAUSES),
+    BEGIN_CAUSE_OTHER,
+    BUSY_CAUSE_OTHER,
+)
+# Of those, the causes of a begin answered busy (``busy_*``, and an operator's cordon): no
+# refusal, the engine tries again later. Every other cause is a refusal (``begin_refused``).
+BUSY_BEGIN_CAUSES: tuple[str, ...] = tuple(
+    cause for cause in BEGIN_CAUSE_NAMES if cause.startswith("busy_") or cause == "cordoned"
+)
+
+
+def counted_begin_cause(kind: str, reason: str | None) -> str:
+    """The cause a refused or busy begin is counted under: a busy one always under a busy
+    cause, so that busy and refused begins never mix."""
+    cause = begin_cause(reason)
+    if kind == ev.BEGIN_BUSY and cause not in BUSY_BEGIN_CAUSES:
+        return BUSY_CAUSE_OTHER
+    return cause
 
 
 @dataclass(frozen=True)
@@ -141,13 +161,13 @@ def _begin_causes(conn: Connection, incarnation_id: int) -> dict[str, int]:
     counted = dict.fromkeys(BEGIN_CAUSE_NAMES, 0)
     rows = conn.execute(
         text(
-            "SELECT reason, sum(count) FROM events WHERE incarnation_id = :i "
-            "AND kind IN (:busy, :refused) GROUP BY reason"
+            "SELECT kind, reason, sum(count) FROM events WHERE incarnation_id = :i "
+            "AND kind IN (:busy, :refused) GROUP BY kind, reason"
         ),
         {"i": incarnation_id, "busy": ev.BEGIN_BUSY, "refused": ev.refused_kind("begin")},
     )
-    for reason, count in rows:
-        cause = begin_cause(None if reason is None else str(reason))
+    for kind, reason, count in rows:
+        cause = counted_begin_cause(str(kind), None if reason is None else str(reason))
         counted[cause] += int(count or 0)
     return counted
 
@@ -298,7 +318,7 @@ def _advance(conn: Connection, tracked: _Tracked) -> None:
         elif kind in tracked.refusals:
             tracked.refusals[kind] += counted
             if kind in (ev.BEGIN_BUSY, ev.refused_kind("begin")):
-                cause = begin_cause(reason)
+                cause = counted_begin_cause(kind, reason)
                 tracked.begin_causes[cause] = tracked.begin_causes.get(cause, 0) + counted
         tracked.newest_count = counted
     last = new[-1]
@@ -315,5 +335,5 @@ def _count_refusal(
         reason = conn.execute(
             text("SELECT reason FROM events WHERE event_id = :e"), {"e": event_id}
         ).scalar()
-        cause = begin_cause(None if reason is None else str(reason))
+        cause = counted_begin_cause(kind, None if reason is None else str(reason))
         tracked.begin_causes[cause] = tracked.begin_causes.get(cause, 0) + grown

@@ -13,6 +13,7 @@ since the last one (an exporter's scrape costs the new events, not the whole his
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -328,12 +329,27 @@ def _stored_events(conn: Connection, incarnation_id: int, after: int = 0) -> lis
     Past event 0 the primary key's range is searched (``+incarnation_id`` keeps SQLite off the
     (incarnation, kind) index, which would visit every event of the incarnation)."""
     column = "+incarnation_id" if after else "incarnation_id"
-    rows = conn.exec_driver_sql(
+    rows = _driver_rows(
+        conn,
         f"SELECT {_EVENT_COLUMNS} FROM events WHERE event_id > ? AND {column} = ? "
         f"ORDER BY event_id",
         (after, incarnation_id),
     )
     return [_stored_event(*row) for row in rows]
+
+
+def _driver_rows(conn: Connection, sql: str, params: tuple[Any, ...]) -> list[Any]:
+    """``sql``'s rows straight from the sqlite3 connection under ``conn`` (the same
+    transaction, so the same snapshot): a whole history's rows, without SQLAlchemy's cost per
+    row (a third of a 10,000-version ``status``, scripts/bench_cli.py)."""
+    driver = conn.connection.dbapi_connection
+    if driver is None:
+        return list(conn.exec_driver_sql(sql, params))
+    cursor = driver.cursor()
+    try:
+        return list(cursor.execute(sql, params))
+    finally:
+        cursor.close()
 
 
 def _stored_event(
@@ -349,35 +365,43 @@ def _stored_event(
 
 
 def _int_tuple(text_value: Any, event_id: int, column: str) -> tuple[int, ...]:
+    parsed = _int_list(text_value) if isinstance(text_value, str) else None
+    if parsed is None:
+        raise ReplayMismatch(f"events row {event_id}, column {column}: not a JSON list of ints")
+    return parsed
+
+
+@functools.lru_cache(maxsize=4096)
+def _int_list(text_value: str) -> tuple[int, ...] | None:
+    """A JSON list of ints as a tuple, None when ``text_value`` is not one. Cached: a history
+    names the same few layer lists over and over (a rebalance's chunks)."""
     try:
         value = json.loads(text_value)
-        if isinstance(value, list) and all(type(item) is int for item in value):
-            return tuple(value)
-    except (TypeError, ValueError):
-        pass
-    raise ReplayMismatch(f"events row {event_id}, column {column}: not a JSON list of ints")
+    except ValueError:
+        return None
+    if isinstance(value, list) and all(type(item) is int for item in value):
+        return tuple(value)
+    return None
 
 
 def _versions(
     conn: Connection, incarnation_id: int, after: int = -1
 ) -> dict[int, tuple[str, list[int]]]:
     """The incarnation's versions above ``after``: digest and the layers each wrote."""
-    rows = conn.execute(
-        text(
-            "SELECT version, digest, layers FROM versions WHERE incarnation_id = :i "
-            "AND version > :after"
-        ),
-        {"i": incarnation_id, "after": after},
+    rows = _driver_rows(
+        conn,
+        "SELECT version, digest, layers FROM versions WHERE incarnation_id = ? AND version > ?",
+        (incarnation_id, after),
     )
     versions: dict[int, tuple[str, list[int]]] = {}
     for version, digest, layers in rows:
-        try:
-            versions[int(version)] = (str(digest), [int(layer) for layer in json.loads(layers)])
-        except (TypeError, ValueError) as exc:
+        parsed = _int_list(layers) if isinstance(layers, str) else None
+        if parsed is None:
             raise ReplayMismatch(
                 f"versions row ({incarnation_id}, {version}), column layers: not a JSON list of "
                 f"ints"
-            ) from exc
+            )
+        versions[int(version)] = (str(digest), list(parsed))
     return versions
 
 

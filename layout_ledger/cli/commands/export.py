@@ -19,6 +19,7 @@ from layout_ledger.cli.held_maps import geometry_json, held_map
 from layout_ledger.cli.json_shape import JsonShaped, json_field
 from layout_ledger.cli.output import emit, print_error
 from layout_ledger.cli.pending_moves import pending_text, pending_wire
+from layout_ledger.cli.progress import Progress
 from layout_ledger.core.errors import LedgerError, LedgerStorageError
 from layout_ledger.core.layout import Geometry, Map, layout_digest
 from layout_ledger.core.state import PendingMove
@@ -47,6 +48,11 @@ def _export_checked(args: argparse.Namespace, exported: ExportReport, the_map: M
     checks: list[sglang_check.ExportCheck] = []
 
     def accept(temporary: Path) -> bool:
+        with Progress("export --check") as progress:
+            progress.phase("loading the file through sglang (imports sglang and torch)")
+            return _accept(temporary)
+
+    def _accept(temporary: Path) -> bool:
         check = sglang_check.check_export(
             temporary,
             args.model_path,

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -540,18 +540,28 @@ class FleetVerifyReport(JsonShaped):
 def collect_fleet_verify(paths: Sequence[Path]) -> FleetVerifyReport:
     """``verify`` on every ledger (each in its own snapshot); when none can be read at all,
     raise why the first cannot."""
-    verified = tuple(_verify_one(path) for path in paths)
+    from layout_ledger.cli.progress import Progress
+
+    found = []
+    with Progress("fleet --verify") as progress:
+        for number, path in enumerate(paths, 1):
+            found.append(_verify_one(path, _phase_of(progress, f"ledger {number} of {len(paths)}")))
+    verified = tuple(found)
     if all(ledger.ok is None for ledger in verified):
         raise LedgerFileError(verified[0].detail)
     return FleetVerifyReport(verified)
 
 
-def _verify_one(path: Path) -> VerifiedLedger:
+def _phase_of(progress: Any, where: str) -> Callable[[str], None]:
+    return lambda text: progress.phase(f"{where}: {text}")
+
+
+def _verify_one(path: Path, on_phase: Callable[[str], None] | None = None) -> VerifiedLedger:
     from layout_ledger.history.checks import collect_verify
 
     try:
         with LedgerReader(path) as ledger:
-            report = collect_verify(ledger)
+            report = collect_verify(ledger, on_phase)
     except (LedgerError, SQLAlchemyError, ValueError) as exc:
         return VerifiedLedger(str(path), None, None, str(exc))
     if not report.ok:

@@ -1,13 +1,17 @@
 """``layout-ledger history``: the events, filtered by incarnation, engine, layer, kind and time.
 
 Read from the ``ledger_events`` view; printed as lines, ``--json``, or one row per event
-(``--nl``, ``--csv``).
+(``--nl``, ``--csv``). ``--after-event N`` is a poller's cursor (events after the last it saw);
+``--follow`` prints new events as they are committed (``cli.follow``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, text
@@ -17,6 +21,8 @@ from layout_ledger.cli.event_rows import EVENT_COLUMNS, EVENT_COLUMNS_SQL, Event
 from layout_ledger.cli.json_shape import JsonObject, JsonShaped
 from layout_ledger.cli.layer_ranges import LayerRanges
 from layout_ledger.cli.output import emit
+from layout_ledger.cli.row_formats import write_rows
+from layout_ledger.cli.terminal import printable
 from layout_ledger.core import events as ev
 from layout_ledger.core.errors import LedgerError
 from layout_ledger.history.reader import LedgerReader
@@ -32,7 +38,11 @@ def run(args: argparse.Namespace) -> int:
         since=args.since,
         until=args.until,
         last=args.last,
+        after_event=args.after_event,
+        reverse=args.reverse,
     )
+    if args.follow:
+        return _follow(args, wanted)
     with LedgerReader(args.ledger) as ledger:
         collected = collect_history(ledger, wanted)
     rows = (EVENT_COLUMNS, history_rows(collected))
@@ -51,6 +61,8 @@ class HistoryRequest:
     since: str | None = None
     until: str | None = None
     last: int | None = None
+    after_event: int | None = None  # only events whose event_id is above this
+    reverse: bool = False  # newest first
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,8 @@ class HistoryFilter(JsonShaped):
     since: str | None = None
     until: str | None = None
     last: int | None = None
+    after_event: int | None = None
+    reverse: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,9 @@ class HistoryReport(JsonShaped):
     path: str
     filter: HistoryFilter
     events: tuple[EventRow, ...]
+    # The ledger's highest event_id in the snapshot read (0: no event): the --after-event a
+    # poller passes next, whatever the filter matched.
+    cursor: int = 0
 
 
 def resolve_engine(conn: Connection, asked: str, incarnation_id: int | None = None) -> str:
@@ -121,6 +138,9 @@ def _history_query(applied: HistoryFilter) -> tuple[str, dict[str, Any]]:
     if applied.until is not None:
         where.append("at < :until")
         params["until"] = applied.until
+    if applied.after_event is not None:
+        where.append("event_id > :after")
+        params["after"] = applied.after_event
     sql = f"SELECT {EVENT_COLUMNS_SQL} FROM ledger_events"
     if where:
         sql += " WHERE " + " AND ".join(where)
@@ -155,11 +175,15 @@ def collect_history(ledger: LedgerReader, wanted: HistoryRequest) -> HistoryRepo
             since=wanted.since,
             until=wanted.until,
             last=wanted.last,
+            after_event=wanted.after_event,
+            reverse=wanted.reverse,
         )
         sql, params = _history_query(applied)
         rows = conn.execute(text(sql), params).all()
-    events = tuple(EventRow.from_row(row) for row in reversed(rows))
-    return HistoryReport(str(ledger.path), applied, events)
+        cursor = conn.execute(text("SELECT coalesce(max(event_id), 0) FROM events")).scalar()
+    newest_first = tuple(EventRow.from_row(row) for row in rows)
+    events = newest_first if wanted.reverse else newest_first[::-1]
+    return HistoryReport(str(ledger.path), applied, events, int(cursor or 0))
 
 
 def render_history(report: HistoryReport) -> list[str]:
@@ -171,3 +195,34 @@ def render_history(report: HistoryReport) -> list[str]:
 def history_rows(report: HistoryReport) -> list[JsonObject]:
     """The events as rows of ``EVENT_COLUMNS`` (``--nl``, ``--csv``)."""
     return [event.to_json() for event in report.events]
+
+
+# Without --last, --since or --after-event, --follow first prints this many (tail -f's habit).
+FOLLOW_FIRST = 10
+
+
+def _follow(args: argparse.Namespace, wanted: HistoryRequest) -> int:
+    """The matching events, then each new one as it is committed (``cli.follow``), each once:
+    every read asks for the events after the newest one the previous read saw."""
+    from layout_ledger.cli.follow import follow_changes
+
+    if wanted.last is None and wanted.since is None and wanted.after_event is None:
+        wanted = dataclasses.replace(wanted, last=FOLLOW_FIRST)
+    form = getattr(args, "rows", None)
+    asked = [wanted]
+
+    def read_new() -> None:
+        with LedgerReader(args.ledger) as ledger:
+            report = collect_history(ledger, asked[0])
+        first = asked[0] is wanted
+        if form is not None:
+            write_rows(sys.stdout, form, EVENT_COLUMNS, history_rows(report), header=first)
+        else:
+            sys.stdout.write("".join(printable(render_event(e)) + "\n" for e in report.events))
+        sys.stdout.flush()
+        # The next read: after this one's newest event, the engine as it resolved, no --last.
+        asked[0] = dataclasses.replace(
+            asked[0], engine=report.filter.engine_id, last=None, after_event=report.cursor
+        )
+
+    return follow_changes(Path(args.ledger), read_new)

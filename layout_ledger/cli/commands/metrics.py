@@ -34,11 +34,13 @@ from layout_ledger.cli.metrics_server import MetricsHTTPServer, SharedCollection
 from layout_ledger.cli.output import emit, print_error, print_warning
 from layout_ledger.cli.path_expansion import expand_ledger_paths
 from layout_ledger.cli.terminal import printable
+from layout_ledger.core import events as ev
 from layout_ledger.core.errors import LedgerError, LedgerFileError
 from layout_ledger.core.rules import lease_holders
 from layout_ledger.core.state import ROLE_ACTIVE, ROLE_STANDBY
 from layout_ledger.history.overview import (
     BEGIN_CAUSE_NAMES,
+    BUSY_BEGIN_CAUSES,
     REFUSAL_KINDS,
     LedgerOverview,
     OverviewCache,
@@ -346,29 +348,39 @@ def _counters(
     )
     refusals = core.CounterMetricFamily(
         f"{PREFIX}_refusals",
-        "Requests the daemon refused in its latest incarnation, by event kind "
-        "(<verb>_refused, begin_busy).",
+        "Requests the daemon refused in its latest incarnation, by event kind (<verb>_refused); "
+        "a begin answered busy is no refusal (busy_begins_total).",
         labels=[*labels, "kind"],
     )
     begins = core.CounterMetricFamily(
         f"{PREFIX}_begin_refusals",
-        "Begins the daemon refused or answered busy in its latest incarnation, by cause "
-        "(busy_*, cordoned: busy, the engine retries; the others refused).",
+        "Begins the daemon refused in its latest incarnation, by cause.",
+        labels=[*labels, "reason"],
+    )
+    busy = core.CounterMetricFamily(
+        f"{PREFIX}_busy_begins",
+        "Begins the daemon answered busy in its latest incarnation (the engine tries again "
+        "later; no refusal), by cause: busy_other_engine, busy_other_move, "
+        "busy_standby_without_lease, cordoned.",
         labels=[*labels, "reason"],
     )
     for item in counted:
         commits.add_metric(_ledger_labels(item) + extra, float(item.commits))
         for kind in REFUSAL_KINDS:
+            if kind == ev.BEGIN_BUSY:
+                continue
             refusals.add_metric(
                 [*_ledger_labels(item), *extra, kind], float(item.refusals.get(kind, 0))
             )
         for cause in BEGIN_CAUSE_NAMES:
-            begins.add_metric(
+            family = busy if cause in BUSY_BEGIN_CAUSES else begins
+            family.add_metric(
                 [*_ledger_labels(item), *extra, cause], float(item.begin_causes.get(cause, 0))
             )
     yield commits
     yield refusals
     yield begins
+    yield busy
 
 
 def _info_labels(item: LedgerOverview) -> dict[str, str]:

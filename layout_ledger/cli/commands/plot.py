@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from layout_ledger.cli.atomic_files import write_atomically
 from layout_ledger.cli.held_maps import HeldMap, check_ep_size, held_map
 from layout_ledger.cli.json_shape import JsonShaped
 from layout_ledger.cli.output import emit
+from layout_ledger.cli.progress import Progress
 from layout_ledger.cli.terminal import printable
 from layout_ledger.core.errors import LedgerError
 from layout_ledger.history.reader import LedgerReader
@@ -26,7 +28,7 @@ from layout_ledger.store.version_walk import walk_versions
 
 def run(args: argparse.Namespace) -> int:
     width, height = args.size
-    with LedgerReader(args.ledger) as ledger:
+    with LedgerReader(args.ledger) as ledger, Progress("plot") as progress:
         collected = plot_layout(
             ledger,
             args.output,
@@ -36,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
             moves=args.moves,
             width=width,
             height=height,
+            on_phase=progress.phase,
         )
     emit(args, collected.to_json(), render_plot(collected))
     return exit_codes.OK
@@ -208,17 +211,21 @@ def plot_layout(
     moves: bool = False,
     width: int = DEFAULT_WIDTH,
     height: int = DEFAULT_HEIGHT,
+    on_phase: Callable[[str], None] | None = None,
 ) -> PlotReport:
     """Draw the map at ``version`` (and, with ``moves``, the moves) into ``output``, in the
     format its suffix names (``picture_format``)."""
     output = Path(output)
     form = picture_format(output)
     _check_size(width, height)
+    phase = on_phase or (lambda text: None)
     held_moves: tuple[CommitMove, ...] | None = None
     floor = 0
     with ledger.connect() as conn:
+        phase("reading the map")
         held = held_map(conn, incarnation_id, version)
         if moves:
+            phase("reading every commit's moves")
             steps = list(walk_versions(conn, held.incarnation))
             floor = steps[0].version
             held_moves = tuple(
@@ -227,6 +234,7 @@ def plot_layout(
                 if step.moved_slots is not None
             )
     check_ep_size(ep_size, held.incarnation.geometry)
+    phase("drawing")
     matplotlib, figure_class, canvas_class = _matplotlib()
     figure = figure_class(figsize=(width / DPI, height / DPI), dpi=DPI, layout="constrained")
     canvas_class(figure)
@@ -236,6 +244,7 @@ def plot_layout(
         top, bottom = figure.subplots(2, 1, height_ratios=(3, 1))
         _draw_map(matplotlib, figure, top, held, ep_size)
         _draw_moves(bottom, held_moves, floor)
+    phase(f"writing {output.name}")
     buffer = io.BytesIO()
     figure.savefig(buffer, format=form, dpi=DPI)
     write_atomically(output, buffer.getvalue())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -26,6 +27,7 @@ from layout_ledger.cli import exit_codes
 from layout_ledger.cli.existing_ledger import require_existing
 from layout_ledger.cli.json_shape import JsonShaped
 from layout_ledger.cli.output import emit
+from layout_ledger.cli.progress import Progress
 from layout_ledger.core.errors import LedgerInconsistent
 from layout_ledger.history.checks import collect_verify
 from layout_ledger.history.reader import LedgerReader
@@ -40,10 +42,17 @@ from layout_ledger.store.rows import (
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.dry_run:
-        result = prune_dry_run(args.ledger, args.keep, args.incarnation)
-    else:
-        result = prune_ledger(args.ledger, args.keep, args.incarnation, vacuum=not args.no_vacuum)
+    with Progress("prune") as progress:
+        if args.dry_run:
+            result = prune_dry_run(args.ledger, args.keep, args.incarnation)
+        else:
+            result = prune_ledger(
+                args.ledger,
+                args.keep,
+                args.incarnation,
+                vacuum=not args.no_vacuum,
+                on_phase=progress.phase,
+            )
     emit(args, result.to_json(), render_prune(result))
     return exit_codes.OK
 
@@ -110,7 +119,12 @@ def prune_dry_run(path: str | Path, keep: int, incarnation_id: int | None = None
 
 
 def prune_ledger(
-    path: str | Path, keep: int, incarnation_id: int | None = None, *, vacuum: bool = True
+    path: str | Path,
+    keep: int,
+    incarnation_id: int | None = None,
+    *,
+    vacuum: bool = True,
+    on_phase: Callable[[str], None] | None = None,
 ) -> PruneResult:
     """Keep the rows of each incarnation's last ``keep`` versions (``Ledger.prune``), then
     ``VACUUM`` when rows were removed (unless ``vacuum`` is False)."""
@@ -120,9 +134,11 @@ def prune_ledger(
     # Read-only first: a file of an older schema is reported (run `upgrade`), never upgraded as
     # a side effect of a prune; a file of a newer one is refused before any lock is taken.
     LedgerReader(path).close()
+    phase = on_phase or (lambda text: None)
     ledger = Ledger.open(path)
     try:
-        _refuse_inconsistent(path)
+        _refuse_inconsistent(path, lambda text: phase(f"verify first: {text}"))
+        phase("removing the rows of old versions")
         removed = {
             report.incarnation_id: report.rows_removed
             for report in ledger.prune(keep, incarnation_id)
@@ -144,16 +160,17 @@ def prune_ledger(
             )
         vacuumed = vacuum and any(inc.rows_removed for inc in pruned)
         if vacuumed:
+            phase("VACUUM (giving the freed pages back to the file system)")
             ledger.vacuum()
     finally:
         ledger.close()
     return PruneResult(str(path), keep, pruned, False, vacuumed, before, _bytes(path))
 
 
-def _refuse_inconsistent(path: Path) -> None:
+def _refuse_inconsistent(path: Path, on_phase: Callable[[str], None] | None = None) -> None:
     """Prune never destroys evidence: it runs only on a ledger that passes ``verify``."""
     with LedgerReader(path) as ledger:
-        report = collect_verify(ledger)
+        report = collect_verify(ledger, on_phase)
     if not report.ok:
         raise LedgerInconsistent(
             f"prune refused, the ledger fails verification (first: "

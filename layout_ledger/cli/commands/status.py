@@ -26,6 +26,7 @@ from layout_ledger.cli.json_shape import JsonObject, JsonShaped, json_field
 from layout_ledger.cli.output import emit, print_error
 from layout_ledger.cli.path_expansion import expand_ledger_paths, names_many
 from layout_ledger.cli.pending_moves import pending_text, pending_wire
+from layout_ledger.cli.time_text import ago
 from layout_ledger.core import events as ev
 from layout_ledger.core.content import ExpertContents
 from layout_ledger.core.errors import LedgerError, LedgerFileError
@@ -149,6 +150,8 @@ class StatusReport(JsonShaped):
     # Per layer, the groups of logical experts the daemon's recorded slots show with the same
     # bytes (tied), from the fingerprints and the map at the current version.
     tied_experts: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
+    # When it was collected: the text says how long ago each time it shows was.
+    observed_at: datetime.datetime | None = field(default=None, metadata=json_field(omit=True))
 
     @property
     def state(self) -> str:
@@ -201,9 +204,10 @@ def _refusal_counts(conn: Any, incarnation_id: int, since: str) -> tuple[int, in
 
 
 def collect_status(
-    ledger: LedgerReader, incarnation_id: int | None = None, now: Clock = _utc_now
+    ledger: LedgerReader, incarnation_id: int | None = None, now: Clock | None = None
 ) -> StatusReport:
-    since = (now() - REFUSALS_WINDOW).isoformat(timespec="microseconds")
+    observed_at = (now or _utc_now)()
+    since = (observed_at - REFUSALS_WINDOW).isoformat(timespec="microseconds")
     with ledger.connect() as conn:
         inc = incarnation(conn, incarnation_id)
         i = inc.incarnation_id
@@ -242,6 +246,7 @@ def collect_status(
             leases=tuple(derived.leases),
             retired=current_retirement(ledger.path, i) if is_latest else None,
             tied_experts=_tied_experts(conn, inc, version),
+            observed_at=observed_at,
         )
 
 
@@ -388,24 +393,35 @@ def origin_rows(origin: IncarnationOrigin, config_fingerprint: str) -> list[tupl
 _NOT_RECORDED = "not recorded"
 
 
+def _when(report: StatusReport, recorded: str) -> str:
+    """A recorded time and how long before the collection it was: ``T; 5 min ago``."""
+    if report.observed_at is None:
+        return recorded
+    return f"{recorded}; {ago(recorded, report.observed_at)}"
+
+
 def render_status(report: StatusReport) -> list[str]:
     inc = report.incarnation
     geometry = inc.geometry
     if inc.ended_at is None:
-        life = f"started {inc.started_at}, {report.liveness.detail}"
+        life = f"started {_when(report, inc.started_at)}, {report.liveness.detail}"
     else:
-        life = f"started {inc.started_at}, ended {inc.ended_at} ({inc.end_state})"
+        life = f"started {inc.started_at}, ended {_when(report, inc.ended_at)} ({inc.end_state})"
     if report.dirty is not None:
-        dirty = f"yes, since {report.dirty.at}: {report.dirty.reason}"
+        dirty = f"yes, since {_when(report, report.dirty.at)}: {report.dirty.reason}"
     else:
         dirty = "no"
-    pending = "none" if report.pending is None else pending_text(report.pending)
+    pending = "none"
+    if report.pending is not None:  # its text ends with "since T"
+        pending = pending_text(report.pending)
+        if report.observed_at is not None and report.pending.since is not None:
+            pending += f"; {ago(report.pending.since, report.observed_at)}"
     last = report.last_event
-    last_text = (
-        "none"
-        if last is None
-        else f"{last.at} {last.kind}" + (f" {last.engine_id}" if last.engine_id else "")
-    )
+    last_text = "none"
+    if last is not None:
+        last_text = f"{last.at} {last.kind}" + (f" {last.engine_id}" if last.engine_id else "")
+        if report.observed_at is not None:
+            last_text += f"; {ago(last.at, report.observed_at)}"
     rows = [
         ("ledger", report.path),
         ("incarnation", f"{inc.incarnation_id} of {report.incarnation_count} ({life})"),
@@ -449,13 +465,14 @@ def _optional_rows(report: StatusReport) -> list[tuple[str, str]]:
         rows.append(
             (
                 "cordon",
-                f"since {report.cordon.since}: {report.cordon.reason} (every begin is busy "
+                f"since {_when(report, report.cordon.since)}: {report.cordon.reason} (every "
+                f"begin is busy "
                 f"until `layout-ledger uncordon`; a daemon restart clears it)",
             )
         )
     if report.retired is not None:
         step = report.retired
-        rows.append(("retired", f"since {step.at} by {step.by}: {step.reason}"))
+        rows.append(("retired", f"since {_when(report, step.at)} by {step.by}: {step.reason}"))
     if report.tied_experts:
         groups = "; ".join(
             f"layer {layer}: " + ", ".join("/".join(map(str, group)) for group in found)

@@ -1,6 +1,7 @@
 """``layout-ledger verify``: the integrity checks of ``history.checks``, one line each.
 
-Exit 5 on the first inconsistency found, else 0.
+Exit 5 on the first inconsistency found, else 0. On a terminal, a progress line names the check
+running once the work takes a second (``cli.progress``).
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ import argparse
 from layout_ledger.cli import exit_codes
 from layout_ledger.cli.json_shape import json_object
 from layout_ledger.cli.output import emit, print_error
+from layout_ledger.cli.progress import Progress
 from layout_ledger.history.checks import VerifyReport, collect_verify
 from layout_ledger.history.reader import LedgerReader
 
 
 def run(args: argparse.Namespace) -> int:
-    with LedgerReader(args.ledger) as ledger:
-        collected = collect_verify(ledger)
+    with LedgerReader(args.ledger) as ledger, Progress("verify") as progress:
+        collected = collect_verify(ledger, progress.phase)
     emit(args, json_object(collected), render_verify(collected))
     if collected.ok:
         return exit_codes.OK
