@@ -148,30 +148,26 @@ def rank_status(weights_from: WeightSource | None, session: Any) -> RankLayoutSt
 
 
 class DaemonClient:
-    """``RankLayoutClient`` over ``sglang_integration.engine.client``, for one daemon and engine
-    id."""
+    """``RankLayoutClient`` over this rank's one ``client.LayoutConnection`` (kept for its life)."""
 
-    def __init__(self, socket_path: str, engine_id: str) -> None:
-        self.socket_path = socket_path
-        self.engine_id = engine_id
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
 
     def begin(self, base_version: int, layers: list[int]) -> Reply:
-        from sglang_integration.engine import client
-
-        return client.begin(self.socket_path, self.engine_id, base_version, layers)
+        reply: Reply = self.connection.begin(base_version, layers)
+        return reply
 
     def commit(self, rows: dict[int, list[int]]) -> Reply:
-        from sglang_integration.engine import client
-
-        return client.commit(self.socket_path, self.engine_id, rows)
+        reply: Reply = self.connection.commit(rows)
+        return reply
 
     def abort(self) -> Reply:
-        from sglang_integration.engine import client
-
-        return client.abort(self.socket_path, self.engine_id)
+        reply: Reply = self.connection.abort()
+        return reply
 
 
 def _current_status_and_client() -> tuple[RankLayoutStatus, RankLayoutClient | None]:
+    from sglang_integration.engine.rank_connection import rank_connection
     from sglang_integration.engine.startup import current_session
     from sglang_integration.engine.weight_source import weight_source
 
@@ -179,7 +175,7 @@ def _current_status_and_client() -> tuple[RankLayoutStatus, RankLayoutClient | N
     status = rank_status(weight_source(), session)
     if session is None or not status.on_record:
         return status, None
-    return status, DaemonClient(session.socket_path, session.engine_id)
+    return status, DaemonClient(rank_connection(session.socket_path, session.engine_id))
 
 
 def rebalance_state(manager: Any) -> RebalanceState:

@@ -128,6 +128,9 @@ def current_session() -> EngineLayoutSession | None:
 
 def close_session() -> None:
     """Detach from the daemon now and forget the session (an engine detaches by exiting)."""
+    from sglang_integration.engine.rank_connection import close_rank_connection
+
+    close_rank_connection()
     session, _ThisRank.session = _ThisRank.session, None
     if session is not None and session.attachment is not None:
         session.attachment.close()
