@@ -256,3 +256,98 @@ def test_the_model_less_daemon_takes_its_deadline_from_the_flag_else_the_env_var
     assert parse_args([*argv, "--request-timeout", "2"]).request_timeout == 2.0
     with pytest.raises(SystemExit):
         parse_args([*argv, "--request-timeout", "0"])
+
+
+# --- an engine rank's one kept connection (docs/protocol.md "Framing") ---------------------------
+
+ROW = [(slot + 1) % 8 for slot in range(10)]  # the model-less daemon's default geometry
+
+
+def test_an_engine_ranks_begin_commit_and_abort_share_one_connection_past_the_idle_deadline(
+    daemon: DaemonProcess,
+) -> None:
+    engine = client.attach(daemon.socket_path, "engine-a")
+    moves = client.LayoutConnection(daemon.socket_path, "engine-a")
+    try:
+        assert moves.begin(0, [1]).ok
+        time.sleep(SHORT * 2.5)  # idle longer than the deadline: the engine is attached
+        assert moves.commit({1: ROW}).body["version"] == 1
+        assert moves.begin(1, [2]).ok
+        assert moves.abort().ok
+        assert (moves.connects, moves.requests, moves.is_open) == (1, 4, True)
+    finally:
+        moves.close()
+        engine.close()
+    assert dropped_lines(daemon, 1, wait=0.5) == []
+    assert "hung up" not in daemon.log()
+
+
+def test_a_kept_connections_next_request_must_arrive_whole_within_the_deadline_of_its_first_byte(
+    daemon: DaemonProcess,
+) -> None:
+    from sglang.srt.weight_cache.protocol import recv_msg
+
+    engine = client.attach(daemon.socket_path, "engine-a")
+    try:
+        with connect(daemon.socket_path) as kept:
+            kept.sendall(frame({"type": msg.ABORT, "engine_id": "engine-a"}))
+            assert recv_msg(kept)["status"] == msg.REFUSED  # nothing pending; the connection stays
+            time.sleep(SHORT * 1.5)
+            started = time.monotonic()
+            kept.sendall(struct.pack("!I", 100) + b"x")
+            elapsed = seconds_until_closed(kept, started)
+    finally:
+        engine.close()
+    assert SHORT * 0.9 <= elapsed < SHORT + 2.0
+    (line,) = dropped_lines(daemon, 1)
+    assert "no whole request within 1 s" in line
+
+
+def test_a_kept_connection_of_an_engine_not_attached_ends_one_deadline_after_its_reply(
+    daemon: DaemonProcess,
+) -> None:
+    from sglang.srt.weight_cache.protocol import recv_msg
+
+    with connect(daemon.socket_path) as kept:
+        kept.sendall(
+            frame({"type": msg.BEGIN, "engine_id": "ghost", "base_version": 0, "layers": [0]})
+        )
+        assert recv_msg(kept)["status"] == msg.REFUSED
+        elapsed = seconds_until_closed(kept, time.monotonic())
+    assert SHORT * 0.9 <= elapsed < SHORT + 2.5
+    assert dropped_lines(daemon, 1, wait=0.5) == []
+
+
+def test_a_kept_connection_answers_any_other_request_with_an_error_and_ends(
+    daemon: DaemonProcess,
+) -> None:
+    from sglang.srt.weight_cache.protocol import recv_msg
+
+    engine = client.attach(daemon.socket_path, "engine-a")
+    try:
+        for other in ({"type": msg.QUERY}, {"type": msg.ABORT, "engine_id": "engine-b"}):
+            with connect(daemon.socket_path) as kept:
+                kept.sendall(frame({"type": msg.ABORT, "engine_id": "engine-a"}))
+                assert recv_msg(kept)["status"] == msg.REFUSED
+                kept.sendall(frame(other))
+                reply = recv_msg(kept)
+                assert reply["status"] == msg.ERROR
+                assert "only begin, commit and abort" in reply["reason"]
+                assert "engine-b" not in reply["reason"]
+                assert seconds_until_closed(kept, time.monotonic()) < 2.0
+    finally:
+        engine.close()
+
+
+def test_a_lost_kept_connection_is_never_reopened(tmp_path: Path) -> None:
+    with short_deadline_daemon(tmp_path) as daemon:
+        engine = client.attach(daemon.socket_path, "engine-a")
+        moves = client.LayoutConnection(daemon.socket_path, "engine-a")
+        assert moves.begin(0, [1]).ok
+        daemon.stop()
+        engine.close()
+    lost = moves.begin(0, [1])
+    assert lost.outcome is client.Outcome.UNREACHABLE
+    again = moves.abort()
+    assert again.outcome is client.Outcome.UNREACHABLE and "no connection" in again.reason
+    assert (moves.connects, moves.is_open) == (1, False) and moves.lost is not None

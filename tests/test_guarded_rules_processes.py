@@ -67,7 +67,8 @@ FORGED = "0" * 64
 
 
 def _rewriting_relay(listen_path: str, upstream_path: str, kind: str, ready: Any) -> None:
-    """A byte-faithful relay to a real daemon (one thread per connection) that rewrites only the
+    """A byte-faithful relay to a real daemon (one thread per connection, each frame in turn, as
+    the daemon serves a kept connection) that rewrites only the
     ``digest`` of ``ok`` replies to ``kind`` requests: the daemon records what it is sent and
     reports another digest. Attach connections stay open both ways until the engine's EOF, so
     the daemon sees the engine's presence as without the relay."""
@@ -76,17 +77,22 @@ def _rewriting_relay(listen_path: str, upstream_path: str, kind: str, ready: Any
     def relay(conn: socket.socket) -> None:
         with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as upstream:
             upstream.connect(upstream_path)
-            asked = recv_msg(conn)
-            send_msg(upstream, asked)
-            reply = recv_msg(upstream)
-            is_dict = isinstance(asked, dict) and isinstance(reply, dict)
-            if is_dict and asked.get("type") == kind and reply.get("status") == protocol.OK:
-                reply = {**reply, "digest": FORGED}
-            send_msg(conn, reply)
-            if is_dict and asked.get("type") == protocol.ATTACH:
-                conn.settimeout(None)
-                while conn.recv(4096):
-                    pass
+            while True:  # an engine rank's kept connection carries one request after another
+                try:
+                    asked = recv_msg(conn)
+                except ConnectionError:
+                    return
+                send_msg(upstream, asked)
+                reply = recv_msg(upstream)
+                is_dict = isinstance(asked, dict) and isinstance(reply, dict)
+                if is_dict and asked.get("type") == kind and reply.get("status") == protocol.OK:
+                    reply = {**reply, "digest": FORGED}
+                send_msg(conn, reply)
+                if is_dict and asked.get("type") == protocol.ATTACH:
+                    conn.settimeout(None)
+                    while conn.recv(4096):
+                        pass
+                    return
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(listen_path)

@@ -93,7 +93,7 @@ class _CallOrder:
     Wraps, where the rebalance hook looks them up at call time, sglang's
     ``update_expert_location_with_recovery`` ("move", noted when it returns), the device's
     ``synchronize`` (``torch.cpu`` on this CPU engine; "synchronize", noted when it returns) and
-    the client's ``commit`` ("commit", noted before it is sent).
+    the rank's kept connection's ``commit`` ("commit", noted before it is sent).
     """
 
     def __init__(self) -> None:
@@ -107,13 +107,13 @@ class _CallOrder:
 
         self._note_after(eplb_manager, "update_expert_location_with_recovery", "move")
         self._note_after(torch.cpu, "synchronize", "synchronize")
-        commit = client.commit
+        commit = client.LayoutConnection.commit
 
         def noted_commit(*args: Any, **kwargs: Any) -> Any:
             self.calls.append("commit")
             return commit(*args, **kwargs)
 
-        client.commit = noted_commit
+        client.LayoutConnection.commit = noted_commit  # type: ignore[method-assign]
         return self
 
     def _note_after(self, owner: Any, name: str, label: str) -> None:
@@ -430,8 +430,9 @@ def test_a_refused_begin_turns_rebalancing_off_for_good_with_one_warning(story: 
 def _lying_proxy(listen_path: str, upstream_path: str, ready: Any) -> None:
     """A daemon that records commits correctly but reports a wrong digest for them.
 
-    A byte-faithful relay to a real daemon, one thread per connection, that rewrites only the
-    ``digest`` of ``ok`` commit replies. Attach connections stay open both ways until the
+    A byte-faithful relay to a real daemon, one thread per connection (each frame in turn, as
+    the daemon serves a kept connection), that rewrites only the ``digest`` of ``ok`` commit
+    replies. Attach connections stay open both ways until the
     engine's EOF, so presence works as with the real daemon.
     """
     import socket
@@ -444,16 +445,21 @@ def _lying_proxy(listen_path: str, upstream_path: str, ready: Any) -> None:
     def relay(conn: socket.socket) -> None:
         with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as upstream:
             upstream.connect(upstream_path)
-            request = recv_msg(conn)
-            send_msg(upstream, request)
-            reply = recv_msg(upstream)
-            if request.get("type") == protocol.COMMIT and reply.get("status") == protocol.OK:
-                reply = {**reply, "digest": "0" * 64}
-            send_msg(conn, reply)
-            if request.get("type") == protocol.ATTACH and reply.get("status") == protocol.OK:
-                conn.settimeout(None)
-                while conn.recv(4096):
-                    pass
+            while True:  # an engine rank's kept connection carries one request after another
+                try:
+                    request = recv_msg(conn)
+                except ConnectionError:
+                    return
+                send_msg(upstream, request)
+                reply = recv_msg(upstream)
+                if request.get("type") == protocol.COMMIT and reply.get("status") == protocol.OK:
+                    reply = {**reply, "digest": "0" * 64}
+                send_msg(conn, reply)
+                if request.get("type") == protocol.ATTACH and reply.get("status") == protocol.OK:
+                    conn.settimeout(None)
+                    while conn.recv(4096):
+                        pass
+                    return
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(listen_path)

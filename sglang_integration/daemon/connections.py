@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import threading
 import time
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 # Connections served at once. Each one ends within its deadlines; each may hold one request
 # frame in memory, which sglang's recv_msg caps at 256 MiB.
 MAX_CONNECTIONS = 64
+# Seconds between two looks, on an idle kept connection, at whether its engine is attached.
+IDLE_CHECK = 1.0
 
 
 class DeadlinePassed(TimeoutError):
@@ -68,6 +71,40 @@ class BoundedConnection(PassThrough):
             ) from exc
         self.received += len(data)
         return data
+
+    def next_request(self, keep_waiting: Callable[[], bool]) -> bool:
+        """Wait for the next request on a kept connection; True once its first byte is here.
+
+        The deadlines start again from that byte: the whole request within ``timeout`` seconds,
+        its reply taken within ``timeout`` of its first send. Idle between requests, the wait
+        lasts while ``keep_waiting()`` says so (checked every ``IDLE_CHECK`` seconds) and at most
+        ``timeout`` seconds once it does not. False at EOF (the client closed at a frame
+        boundary, as a client of one request does), on a socket error, or when the idle wait
+        ended: the connection ends without a log line.
+        """
+        idle_since = time.monotonic()
+        while True:
+            try:
+                readable, _, _ = select.select([self._conn], [], [], IDLE_CHECK)
+                if readable:
+                    self._conn.settimeout(0.0)
+                    first = self._conn.recv(1, socket.MSG_PEEK)
+                    if not first:
+                        return False
+                    break
+            except (BlockingIOError, InterruptedError):
+                continue
+            except (OSError, ValueError):  # reset by the peer, or closed by the daemon's stop
+                return False
+            now = time.monotonic()
+            if keep_waiting():
+                idle_since = now
+            elif now - idle_since >= self._timeout:
+                return False
+        self._request_deadline = time.monotonic() + self._timeout
+        self._reply_deadline = None
+        self.received = 0
+        return True
 
     def sendall(self, data: Any, *flags: int) -> None:
         now = time.monotonic()

@@ -345,6 +345,8 @@ def _serve_connection(
     kind = request.get("type") if isinstance(request, dict) else None
     if isinstance(kind, str) and kind in protocol.LAYOUT_REQUEST_TYPES:
         _answer_layout_request(layout, conn, request, kind)
+        if kind in MOVE_REQUEST_TYPES:
+            _serve_kept_connection(layout, conn, request.get("engine_id"))
         return
     if kind == protocol.FETCH_STATE and _config_matches(daemon, request):
         refusal = _check_fetch(layout.service, request)
@@ -352,6 +354,40 @@ def _serve_connection(
             send_msg(conn, refusal)
             return
     original_fn(daemon, ReplayConnection(conn, bytes(recording.received)))
+
+
+# The requests an engine rank sends on its one kept connection (docs/protocol.md "Framing").
+MOVE_REQUEST_TYPES = frozenset({protocol.BEGIN, protocol.COMMIT, protocol.ABORT})
+KEPT_CONNECTION_REFUSAL = (
+    "a kept connection carries only begin, commit and abort of the engine whose request "
+    "opened it; send other requests on a connection of their own"
+)
+
+
+def _serve_kept_connection(
+    layout: DaemonLayoutSide, conn: BoundedConnection, engine_id: Any
+) -> None:
+    """After a begin, commit or abort: serve that engine's next ones on the same connection.
+
+    An engine rank keeps one connection for its life. Each request on it has the deadlines of
+    a new connection (``BoundedConnection.next_request``); idle between two, the connection
+    stays open while ``engine_id`` is attached here, and at most one request timeout once it
+    is not. A client of one request closes after its reply, which ends the loop silently. Any
+    other request, or one naming another engine, is answered ``error`` and the connection ends.
+    """
+    from sglang.srt.weight_cache.protocol import recv_msg, send_msg
+
+    def attached() -> bool:
+        record = layout.service.record
+        return record is not None and isinstance(engine_id, str) and engine_id in record.attached
+
+    while conn.next_request(attached):
+        request = recv_msg(conn)
+        kind = request.get("type") if isinstance(request, dict) else None
+        if kind not in MOVE_REQUEST_TYPES or request.get("engine_id") != engine_id:
+            send_msg(conn, protocol.refusal_reply(protocol.ERROR, KEPT_CONNECTION_REFUSAL))
+            return
+        _answer_layout_request(layout, conn, request, str(kind))
 
 
 def _config_matches(daemon: Any, request: dict[str, Any]) -> bool:

@@ -3,8 +3,10 @@
 Every request goes through ``sglang.srt.weight_cache.protocol.send_msg`` / ``recv_msg`` (one
 length-prefixed pickled dict each way), on the daemon's control socket. ``attach`` keeps its
 connection open for the engine's lifetime (the daemon detaches the engine on EOF, however the
-engine exits); every other request uses its own short connection. Every socket operation has a
-timeout, and only a socket node owned by this user is connected to.
+engine exits); an engine rank's begin, commit and abort go over one ``LayoutConnection`` for its
+life; every other request (and the module's ``begin``, ``commit`` and ``abort``, for tools and
+tests) uses its own short connection. Every socket operation has a timeout, and only a socket
+node owned by this user is connected to.
 
 The shapes are ``layout_ledger.wire.protocol``'s: each call sends a request's ``to_wire`` and
 returns ``Reply.from_wire`` of the answer, one typed ``Outcome``, so callers never match strings.
@@ -42,6 +44,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_REQUEST_TIMEOUT",
     "Attachment",
+    "LayoutConnection",
     "Outcome",
     "Reply",
     "abort",
@@ -173,6 +176,83 @@ def release(socket_path: str, engine_id: str, timeout: float = DEFAULT_REQUEST_T
     return _request(socket_path, ReleaseRequest(engine_id), timeout)
 
 
+class LayoutConnection:
+    """One engine rank's begin, commit and abort to its daemon, over one connection for its life.
+
+    The connection is opened by the first request and kept; the daemon serves the next
+    requests on it, each within its deadlines (docs/protocol.md "Framing"). It is never
+    reopened: once a request fails in transport (its reply may be lost while the daemon acted
+    on it), it and every later request answer ``UNREACHABLE`` naming the first failure, and
+    the engine stops rebalancing (``lost`` says why). Not thread-safe: one caller at a time
+    (the rank's rebalance agent).
+    """
+
+    def __init__(
+        self, socket_path: str, engine_id: str, timeout: float = DEFAULT_REQUEST_TIMEOUT
+    ) -> None:
+        self.socket_path = socket_path
+        self.engine_id = engine_id
+        self.timeout = timeout
+        self.lost: str | None = None
+        self.requests = 0  # requests sent over the connection
+        self.connects = 0  # connections opened (at most one)
+        self._conn: socket.socket | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._conn is not None
+
+    def begin(self, base_version: int, layers: Sequence[int]) -> Reply:
+        return self._request(BeginRequest(self.engine_id, base_version, layers))
+
+    def commit(self, rows: Mapping[int, Sequence[int]]) -> Reply:
+        return self._request(CommitRequest(self.engine_id, rows))
+
+    def abort(self) -> Reply:
+        return self._request(AbortRequest(self.engine_id))
+
+    def close(self) -> None:
+        """Close the connection (the daemon's thread for it sees EOF and ends)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self.lost is None:
+            self.lost = "the connection was closed"
+
+    def _request(self, request: LayoutRequest) -> Reply:
+        if self.lost is not None:
+            return Reply(Outcome.UNREACHABLE, f"no connection to {self.socket_path}: {self.lost}")
+        if self._conn is None:
+            conn, reply = _exchange(self.socket_path, request, self.timeout, keep_open=True)
+            self.connects += 1
+            self.requests += 1
+            if conn is None:
+                self.lost = reply.reason
+            self._conn = conn
+            return reply
+        self.requests += 1
+        conn = self._conn
+        request_type = str(request.to_wire()["type"])
+        try:
+            raw = _send_and_receive(conn, request.to_wire())
+        except _TRANSPORT_ERRORS as exc:
+            reply = _transport_failure(self.socket_path, request_type, exc)
+        except Exception as exc:  # unpickling a broken frame can raise anything
+            reply = _unreadable(self.socket_path, request_type, exc)
+        else:
+            return Reply.from_wire(raw, request_type=request_type, peer=self.socket_path)
+        self._conn = None
+        conn.close()
+        self.lost = reply.reason
+        return reply
+
+    def __repr__(self) -> str:
+        return (
+            f"LayoutConnection(socket_path={self.socket_path!r}, engine_id={self.engine_id!r}, "
+            f"open={self.is_open}, lost={self.lost!r})"
+        )
+
+
 # --- internals -----------------------------------------------------------------------------
 
 
@@ -185,9 +265,6 @@ def _exchange(
     socket_path: str, request: LayoutRequest, timeout: float, *, keep_open: bool
 ) -> tuple[socket.socket | None, Reply]:
     """Send one request and read one reply; return the connection too when ``keep_open``."""
-    # sglang's framing; imported here so importing this module stays cheap.
-    from sglang.srt.weight_cache.protocol import recv_msg, send_msg
-
     wire = request.to_wire()
     request_type: str = wire["type"]
     absent = _check_socket_node(socket_path)
@@ -197,32 +274,48 @@ def _exchange(
     conn.settimeout(timeout)
     try:
         conn.connect(socket_path)
-        send_msg(conn, wire)
-        raw = recv_msg(conn)
+        raw = _send_and_receive(conn, wire)
     except FileNotFoundError:
         conn.close()
         return None, Reply(Outcome.NO_DAEMON, f"no daemon socket at {socket_path}")
-    except (OSError, EOFError, ValueError) as exc:
-        # OSError covers refused, reset, broken pipe and socket.timeout; recv_msg raises
-        # ConnectionError (an OSError) on EOF and ValueError on an oversized frame.
+    except _TRANSPORT_ERRORS as exc:
         conn.close()
-        return None, Reply(
-            Outcome.UNREACHABLE,
-            f"could not read the daemon at {socket_path} "
-            f"({request_type}): {type(exc).__name__}: {exc}",
-        )
+        return None, _transport_failure(socket_path, request_type, exc)
     except Exception as exc:  # unpickling a broken frame can raise anything
         conn.close()
-        return None, Reply(
-            Outcome.ERROR,
-            f"the daemon at {socket_path} sent an unreadable reply to {request_type}: "
-            f"{type(exc).__name__}: {exc}",
-        )
+        return None, _unreadable(socket_path, request_type, exc)
     reply = Reply.from_wire(raw, request_type=request_type, peer=socket_path)
     if keep_open:
         return conn, reply
     conn.close()
     return None, reply
+
+
+# OSError covers refused, reset, broken pipe and socket.timeout; recv_msg raises ConnectionError
+# (an OSError) on EOF and ValueError on an oversized frame.
+_TRANSPORT_ERRORS = (OSError, EOFError, ValueError)
+
+
+def _send_and_receive(conn: socket.socket, wire: dict[str, object]) -> object:
+    from sglang.srt.weight_cache.protocol import recv_msg, send_msg
+
+    send_msg(conn, wire)
+    return recv_msg(conn)
+
+
+def _transport_failure(socket_path: str, request_type: str, exc: BaseException) -> Reply:
+    return Reply(
+        Outcome.UNREACHABLE,
+        f"could not read the daemon at {socket_path} ({request_type}): {type(exc).__name__}: {exc}",
+    )
+
+
+def _unreadable(socket_path: str, request_type: str, exc: BaseException) -> Reply:
+    return Reply(
+        Outcome.ERROR,
+        f"the daemon at {socket_path} sent an unreadable reply to {request_type}: "
+        f"{type(exc).__name__}: {exc}",
+    )
 
 
 def _check_socket_node(socket_path: str) -> Reply | None:

@@ -3,7 +3,9 @@
 Weights from disk on every rank, or the weight cache off: sglang's own ``rebalance``,
 unchanged. Weights from the daemons on every rank, each attached to a daemon that keeps a
 record: each chunk is begun on every daemon, moved by sglang's own
-``update_expert_location_with_recovery``, and committed (``_move_chunk``). Otherwise (an older
+``update_expert_location_with_recovery``, and committed (``_rebalance_two_phase``), the daemons'
+round trips and their all-gathers on this rank's agent thread (``rebalance_agent``), never on
+the forward path. Otherwise (an older
 daemon, a daemon without ``--enable-eplb``, an engine that did not attach, ranks mixing disk
 and daemon weights, elastic EP) shared weights are never rebalanced; one warning per reason.
 
@@ -18,21 +20,28 @@ repeats its steps around each chunk, since the original has no seam between its 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from layout_ledger.core.layout import layout_digest
-from layout_ledger.wire.protocol import Outcome, Reply
+from layout_ledger.wire.protocol import Reply
+from sglang_integration.engine.rebalance_agent import (
+    AgentResult,
+    BeginJob,
+    BeginOutcome,
+    CommitJob,
+    RankLayoutClient,
+    RebalanceAgent,
+    start_agent,
+)
 from sglang_integration.engine.rebalance_decisions import (
     RESTART_DAEMONS_ADVICE,
     BeginAction,
     BeginDecision,
+    CommitCheck,
     Mode,
     RankLayoutStatus,
     WeightSource,
-    check_commits,
-    decide_begin,
     decide_mode,
 )
 from sglang_integration.engine.reply_gather import all_gather_small
@@ -102,21 +111,14 @@ UPSTREAM_LINES = (
         "the layout logged after",
     ),
     UpstreamLine(_MANAGER, 185, "logger.info(msg)", "the end"),
+    UpstreamLine(
+        "srt/eplb/expert_location_updater.py",
+        505,
+        "req.wait()",
+        "the move waits for its P2P requests on the current stream: the event recorded after "
+        "it covers them",
+    ),
 )
-
-
-class RankLayoutClient(Protocol):
-    """This rank's layout requests to its own daemon, bound to this engine's id.
-
-    Each returns the typed ``Reply``. It may raise; the hook turns that into an ``ERROR`` reply
-    so the rank still joins the all-gather.
-    """
-
-    def begin(self, base_version: int, layers: list[int]) -> Reply: ...
-
-    def commit(self, rows: dict[int, list[int]]) -> Reply: ...
-
-    def abort(self) -> Reply: ...
 
 
 @dataclass
@@ -129,6 +131,8 @@ class RebalanceState:
     rebalances_done: int = 0  # rebalances whose every chunk was committed
     rebalances_paused: int = 0  # rebalances stopped because a daemon was busy
     chunks_committed: int = 0
+    agent: RebalanceAgent | None = None  # this rank's agent (two-phase mode)
+    last_passes: int = 0  # forward passes the last two-phase rebalance took on this rank
 
 
 _STATE_ATTR = "_expert_layout_rebalance_state"
@@ -148,30 +152,26 @@ def rank_status(weights_from: WeightSource | None, session: Any) -> RankLayoutSt
 
 
 class DaemonClient:
-    """``RankLayoutClient`` over ``sglang_integration.engine.client``, for one daemon and engine
-    id."""
+    """``RankLayoutClient`` over this rank's one ``client.LayoutConnection`` (kept for its life)."""
 
-    def __init__(self, socket_path: str, engine_id: str) -> None:
-        self.socket_path = socket_path
-        self.engine_id = engine_id
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
 
     def begin(self, base_version: int, layers: list[int]) -> Reply:
-        from sglang_integration.engine import client
-
-        return client.begin(self.socket_path, self.engine_id, base_version, layers)
+        reply: Reply = self.connection.begin(base_version, layers)
+        return reply
 
     def commit(self, rows: dict[int, list[int]]) -> Reply:
-        from sglang_integration.engine import client
-
-        return client.commit(self.socket_path, self.engine_id, rows)
+        reply: Reply = self.connection.commit(rows)
+        return reply
 
     def abort(self) -> Reply:
-        from sglang_integration.engine import client
-
-        return client.abort(self.socket_path, self.engine_id)
+        reply: Reply = self.connection.abort()
+        return reply
 
 
 def _current_status_and_client() -> tuple[RankLayoutStatus, RankLayoutClient | None]:
+    from sglang_integration.engine.rank_connection import rank_connection
     from sglang_integration.engine.startup import current_session
     from sglang_integration.engine.weight_source import weight_source
 
@@ -179,7 +179,7 @@ def _current_status_and_client() -> tuple[RankLayoutStatus, RankLayoutClient | N
     status = rank_status(weight_source(), session)
     if session is None or not status.on_record:
         return status, None
-    return status, DaemonClient(session.socket_path, session.engine_id)
+    return status, DaemonClient(rank_connection(session.socket_path, session.engine_id))
 
 
 def rebalance_state(manager: Any) -> RebalanceState:
@@ -214,7 +214,7 @@ def rebalance_around(original_fn: Callable[[Any], Any], manager: Any) -> Iterato
 
 
 def _decide_mode_once(state: RebalanceState) -> None:
-    status, _ = _current_status_and_client()
+    status, client = _current_status_and_client()
     statuses = _all_gather(status)
     decision = decide_mode(statuses, elastic_ep=_elastic_ep_enabled())
     state.mode = decision.mode
@@ -226,6 +226,10 @@ def _decide_mode_once(state: RebalanceState) -> None:
             "keeps its current expert layout: %s",
             reason,
         )
+    if decision.mode is Mode.TWO_PHASE:
+        if client is None:
+            raise RuntimeError("two-phase rebalance without a daemon client; this is a plugin bug")
+        state.agent = start_agent(client)
     logger.info(
         "expert layout rebalance mode: %s (version %s)",
         decision.mode.value,
@@ -234,13 +238,33 @@ def _decide_mode_once(state: RebalanceState) -> None:
 
 
 def _rebalance_two_phase(manager: Any, state: RebalanceState) -> Iterator[None]:
-    """sglang's ``EPLBManager.rebalance`` without elastic EP, two-phase per chunk."""
+    """sglang's ``EPLBManager.rebalance`` without elastic EP, two-phase per chunk, with the
+    daemons' round trips on this rank's agent (``rebalance_agent``).
+
+    1. the agent sends the first chunk's begin; every forward pass until its result's target
+       pass, the hook yields (a pass at which the agent is past its deadline waits for it);
+    2. at the target pass every rank acts on the same all-gathered decision: all ``ok`` ->
+       move; any ``refused`` (or an error) -> rebalancing is off for good, with one warning;
+       otherwise any ``busy`` -> this rebalance stops and the next interval retries (the agent
+       already aborted what its rank's begin left pending);
+    3. the experts move with sglang's ``update_expert_location_with_recovery``, unchanged; a
+       device event is recorded after the move and handed to the agent with a copy of the map;
+    4. the agent waits for the event, commits the chunk's rows, all-gathers the replies and
+       checks that every daemon recorded the same new version (base + 1) with the digest of
+       this engine's own whole map (the daemon's digest is never trusted), then begins the next
+       chunk. The check is used at the next target pass, before that chunk's grant: a failed
+       check turns rebalancing off for good with an error that says to restart the daemons.
+    """
     import time
 
     from sglang.srt.eplb.expert_distribution import (
         get_global_expert_distribution_recorder,
     )
 
+    agent = state.agent
+    base_version = state.version
+    if agent is None or base_version is None:
+        raise RuntimeError("two-phase rebalance without an agent; this is a plugin bug")
     logger.info("[EPLBManager] rebalance start (through the weight cache daemons)")
     enable_timing = manager._rebalance_layers_per_chunk is None
     if enable_timing:
@@ -254,59 +278,148 @@ def _rebalance_two_phase(manager: Any, state: RebalanceState) -> Iterator[None]:
     new_metadata = manager._compute_expert_location_metadata(
         dump_record_output["logical_count"], broadcast_over_world=False
     )
-    chunks = manager._compute_update_layer_ids_chunks()
+    chunks = [list(chunk) for chunk in manager._compute_update_layer_ids_chunks()]
     all_layer_ids = [layer_id for chunk in chunks for layer_id in chunk]
     manager._log_rebalance_layout_before_update(new_metadata, update_layer_ids=all_layer_ids)
     moved: list[int] = []
-    for chunk in chunks:
-        if len(chunks) > 1:
-            yield
-        if not _move_chunk(manager, state, new_metadata, list(chunk)):
+    agent.step = 0
+    agent.submit(BeginJob(base_version, chunks[0]))
+    next_chunk = 0
+    while True:
+        result = yield from _await_agent(agent)
+        if result is None:
+            _agent_lost(state, agent, chunks[next_chunk - 1] if next_chunk else chunks[0])
             break
-        moved.extend(chunk)
-    else:
-        state.rebalances_done += 1
+        if result.commit is not None:
+            if not _use_commit_check(state, result.commit, chunks[next_chunk - 1]):
+                break
+            moved.extend(chunks[next_chunk - 1])
+        if next_chunk == len(chunks):
+            state.rebalances_done += 1
+            break
+        begin = result.begin
+        if begin is None:
+            raise RuntimeError("the agent sent no begin decision; this is a plugin bug")
+        if begin.decision.action is not BeginAction.MOVE:
+            _report_abort_problem(begin, chunks[next_chunk])
+            _stand_down(state, begin.decision)
+            break
+        chunk = chunks[next_chunk]
+        next_chunk += 1
+        # A failure inside the move propagates as in sglang: the daemons keep the move pending
+        # and become dirty when this engine exits, which is right, since the bytes may be half
+        # moved.
+        _move_experts(manager, new_metadata, chunk)
+        agent.submit(
+            CommitJob(
+                base_version=state.version,  # type: ignore[arg-type]
+                layers=chunk,
+                landed=_moved_event(),
+                engine_map=_engine_map_copy(),
+                next_layers=chunks[next_chunk] if next_chunk < len(chunks) else None,
+            )
+        )
+    state.last_passes = agent.step
     manager._log_rebalance_layout_after_update(update_layer_ids=moved)
     message = f"[EPLBManager] rebalance end, layers moved {len(moved)}/{len(all_layer_ids)}"
     if enable_timing:
         _device_synchronize()
         message += f" time={time.time() - time_start:.3f}s"
-    logger.info("%s, expert layout version %s", message, state.version)
+    logger.info(
+        "%s in %d forward passes, expert layout version %s", message, agent.step, state.version
+    )
 
 
-def _move_chunk(manager: Any, state: RebalanceState, new_metadata: Any, chunk: list[int]) -> bool:
-    """One chunk: begin, move, synchronize, commit, verify. True if the next chunk may follow.
+def _await_agent(agent: RebalanceAgent) -> Generator[None, None, AgentResult | None]:
+    """Yield one forward pass at a time until the agent's result and its target pass are here.
 
-    1. every rank sends begin to its daemon; the ranks all-gather the replies over the world
-       CPU group. All ``ok`` -> move. Any ``refused`` (or an error) -> rebalancing is off for
-       good, with one warning. Otherwise any ``busy`` -> this rebalance stops and the next
-       interval retries. When not moving, the ranks whose begin succeeded send abort (so do
-       ranks whose begin failed in transport, in case it landed; the refusal of that abort is
-       expected);
-    2. the experts move with sglang's ``update_expert_location_with_recovery``, unchanged;
-    3. a device synchronize, so the moved bytes have landed before a daemon serves them;
-    4. every rank commits the new rows of the chunk's layers; the ranks all-gather the replies
-       and check that every daemon recorded the same new version (base + 1) and that each
-       daemon's digest equals the digest this engine computes from its own whole map (the
-       daemon's digest is never trusted). If not, an error says to restart the daemons before
-       another engine uses them; the engine keeps serving and never rebalances again.
+    Returns the result at its target pass (the same pass on every rank), or None when the agent
+    died. Waits on the agent only at its deadline (``rebalance_agent``).
     """
-    _, client = _current_status_and_client()
-    base_version = state.version
-    if client is None or base_version is None:
-        raise RuntimeError("two-phase rebalance without a daemon client; this is a plugin bug")
-    my_begin = _call(lambda: client.begin(base_version, chunk))
-    decision = decide_begin(_all_gather(my_begin))
-    if decision.action is not BeginAction.MOVE:
-        _abort_own_begin(client, my_begin, chunk)
-        _stand_down(state, decision)
+    while True:
+        result = agent.result()
+        if result is None:
+            if not agent.alive:
+                return None
+            deadline = agent.deadline
+            if deadline is not None and agent.step >= deadline:
+                result = agent.wait()
+                if result is None:
+                    return None
+        if result is not None:
+            if agent.step == result.target:
+                return result
+            if agent.step > result.target:
+                agent.failure = (
+                    f"the agreed pass {result.target} was already behind this rank "
+                    f"(pass {agent.step}); this is a plugin bug"
+                )
+                return None
+        yield
+        agent.step += 1
+
+
+def _agent_lost(state: RebalanceState, agent: RebalanceAgent, chunk: list[int]) -> None:
+    state.stopped_reason = f"the rebalance agent stopped: {agent.failure or 'its thread ended'}"
+    logger.error(
+        "EPLB rebalancing of the daemon-shared expert weights is off for good near the move of "
+        "layers %s: %s. %s",
+        chunk,
+        state.stopped_reason,
+        RESTART_DAEMONS_ADVICE,
+    )
+
+
+def _use_commit_check(state: RebalanceState, check: CommitCheck, chunk: list[int]) -> bool:
+    """What every daemon recorded for the chunk: the next version, or rebalancing off."""
+    if not check.ok:
+        state.stopped_reason = "; ".join(check.problems)
+        logger.error(
+            "the weight cache daemons did not record the expert move of layers %s as this engine "
+            "made it: %s. %s",
+            chunk,
+            state.stopped_reason,
+            RESTART_DAEMONS_ADVICE,
+        )
         return False
-    # A failure inside the move propagates as in sglang: the daemons keep the move pending and
-    # become dirty when this engine exits, which is right, since the bytes may be half moved.
-    _move_experts(manager, new_metadata, chunk)
-    # The moved bytes must have landed before any daemon records (and then serves) them.
-    _device_synchronize()
-    return _commit_chunk(client, state, chunk, base_version)
+    state.version = check.version
+    state.chunks_committed += 1
+    return True
+
+
+def _report_abort_problem(begin: BeginOutcome, chunk: list[int]) -> None:
+    if begin.abort_problem is not None:
+        logger.error(
+            "abort of the expert move of layers %s failed (%s); the daemon keeps the move "
+            "pending and becomes dirty when this engine exits. %s",
+            chunk,
+            begin.abort_problem,
+            RESTART_DAEMONS_ADVICE,
+        )
+
+
+def _moved_event() -> Any:
+    """A device event recorded on the current stream after the move (None on a CPU).
+
+    sglang's move waits for its P2P requests (``req.wait()``) and copies on the current stream,
+    so an event recorded there afterwards covers the moved bytes (``UPSTREAM_LINES``).
+    """
+    import torch
+    from sglang.srt.runtime_context import get_device
+
+    kind = torch.device(get_device().device).type
+    if kind == "cpu":
+        return None
+    event = torch.get_device_module(kind).Event()
+    event.record()
+    return event
+
+
+def _engine_map_copy() -> Any:
+    """A copy of the map this rank routes with, for the agent (the next move changes it)."""
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    return get_global_expert_location_metadata().physical_to_logical_map_cpu.clone()
 
 
 def _stand_down(state: RebalanceState, decision: BeginDecision) -> None:
@@ -348,70 +461,6 @@ def _move_experts(manager: Any, new_metadata: Any, chunk: list[int]) -> None:
         ep_dispatch_algorithm=get_exec().moe.ep_dispatch_algorithm,
         init_lplb_solvers_callable=lambda: init_lplb_solvers(model_config=manager._model_config),
     )
-
-
-def _commit_chunk(
-    client: RankLayoutClient, state: RebalanceState, chunk: list[int], base_version: int
-) -> bool:
-    """Commit the chunk's rows on every rank and check what the daemons recorded."""
-    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-
-    # An integer tensor's tolist() is already Python ints (the protocol's values).
-    engine_map = get_global_expert_location_metadata().physical_to_logical_map_cpu.tolist()
-    rows = {layer: engine_map[layer] for layer in chunk}
-    my_commit = _call(lambda: client.commit(rows))
-    check = check_commits(
-        _all_gather(my_commit),
-        base_version=base_version,
-        engine_digest=layout_digest(engine_map),
-    )
-    if not check.ok:
-        state.stopped_reason = "; ".join(check.problems)
-        logger.error(
-            "the weight cache daemons did not record the expert move of layers %s as this engine "
-            "made it: %s. %s",
-            chunk,
-            state.stopped_reason,
-            RESTART_DAEMONS_ADVICE,
-        )
-        return False
-    state.version = check.version
-    state.chunks_committed += 1
-    return True
-
-
-def _abort_own_begin(client: RankLayoutClient, my_begin: Reply, chunk: list[int]) -> None:
-    """Abort this rank's begin when it succeeded, or when it may have landed (an error reply).
-
-    busy and refused leave nothing pending; after an error the abort is a precaution whose
-    refusal ("no move pending") is expected and not logged.
-    """
-    if my_begin.outcome in (Outcome.BUSY, Outcome.REFUSED):
-        return
-    abort_reply = _call(client.abort)
-    if my_begin.ok and not abort_reply.ok:
-        logger.error(
-            "abort of the expert move of layers %s failed (%s); the daemon keeps the move "
-            "pending and becomes dirty when this engine exits. %s",
-            chunk,
-            abort_reply.reason,
-            RESTART_DAEMONS_ADVICE,
-        )
-
-
-def _call(request: Callable[[], Reply]) -> Reply:
-    """Run one request; a failure becomes an ``ERROR`` reply so the all-gather still runs.
-
-    The reply is trimmed (``Reply.trimmed``) to what the ranks all-gather.
-    """
-    try:
-        reply = request()
-    except Exception as exc:  # every rank must reach the all-gather that follows
-        logger.warning("expert layout request failed: %s", exc)
-        return Reply(Outcome.ERROR, f"request failed: {exc}")
-    if not isinstance(reply, Reply):
-        return Reply(Outcome.ERROR, f"malformed reply {reply!r}")
-    return reply.trimmed()
 
 
 def _all_gather(value: Any) -> list[Any]:

@@ -131,9 +131,11 @@ def current_session() -> EngineLayoutSession | None:
 
 def close_session() -> None:
     """Detach from the daemon now and forget the session (an engine detaches by exiting)."""
+    from sglang_integration.engine.rebalance_agent import shut_down
     from sglang_integration.engine.standby import close_gate
 
     close_gate()
+    shut_down()  # the rebalance agent, its kept connection and its group
     session, _ThisRank.session = _ThisRank.session, None
     if session is not None and session.attachment is not None:
         session.attachment.close()
@@ -222,6 +224,10 @@ def start_from_daemon_layout(
         if attachment is not None:
             attachment.close()
         raise
+    from sglang_integration.engine.rebalance_agent import create_group
+
+    # The rebalance agents' own gloo group: made here, where every rank is, after sglang's.
+    create_group(world)
     local = int(metadata.num_local_physical_experts)
     session = EngineLayoutSession(
         engine_id=engine_id,

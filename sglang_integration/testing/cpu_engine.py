@@ -192,11 +192,17 @@ class NoDiskReload:
         raise RuntimeError("no expert may be missing after a move between live ranks")
 
 
+# Seconds of one forward pass between two steps of a rebalance: a sleep, which frees the GIL
+# as an engine's wait for the device does, so the rank's rebalance agent runs beside it.
+FORWARD_PASS_SECONDS = 0.001
+
+
 def run_rebalances(manager: Any, count: int) -> None:
-    """Drive ``count`` rebalances the way ``EPLBManager._entrypoint`` does (yield from)."""
+    """Drive ``count`` rebalances the way ``EPLBManager._entrypoint`` does (yield from), one
+    forward pass (``FORWARD_PASS_SECONDS``) per step."""
     for _ in range(count):
         for _ in manager.rebalance():
-            pass
+            time.sleep(FORWARD_PASS_SECONDS)
 
 
 def routed_map() -> list[list[int]]:
@@ -457,22 +463,33 @@ class _EngineRank:
 
     def rebalance(self, count: int) -> dict[str, Any]:
         for _ in range(count):
-            for _ in self.manager.rebalance():
-                pass
+            run_rebalances(self.manager, 1)
             self.rebalances_run += 1
         return self.report()
 
     def stop_between_chunks(self, count: int, channel: Connection) -> None:
         """``count`` whole rebalances, then one more that stops where its first chunk is committed
-        and its second not begun (the hooked generator's second yield); tell the parent, wait."""
+        and its second not begun (the rank's agent, about to send the second begin); tell the
+        parent, wait."""
+        from sglang_integration.engine import client
+
         self.rebalance(count)
         map_before = routed_map()
-        for index, _ in enumerate(self.manager.rebalance()):
-            if index == 1:
+        begin = client.LayoutConnection.begin
+        begins = 0
+
+        def stop_at_second_begin(connection: Any, *args: Any, **kwargs: Any) -> Any:
+            nonlocal begins
+            begins += 1
+            if begins == 2:
                 report = self.report()
                 report["map_before"] = map_before
                 channel.send({"event": "stopped", "where": "between chunks", **report})
                 block_until_killed()
+            return begin(connection, *args, **kwargs)
+
+        client.LayoutConnection.begin = stop_at_second_begin  # type: ignore[method-assign,assignment]
+        run_rebalances(self.manager, 1)
         raise RuntimeError("the rebalance ended before its second chunk began")
 
     def stop_in_move(self, count: int, channel: Connection) -> None:
@@ -488,8 +505,7 @@ class _EngineRank:
         if self.updater is None:
             raise RuntimeError("the engine has no updater")
         self.updater.stop_after_first_layer = stopped
-        for _ in self.manager.rebalance():
-            pass
+        run_rebalances(self.manager, 1)
         raise RuntimeError("the rebalance ended without reaching the move")
 
     def wait_alone(self, timeout: float) -> dict[str, Any]:
