@@ -2,6 +2,7 @@
 """The ledgers of docs/operations.md's incidents, each in the state its section shows.
 
     .venv/bin/python scripts/runbook_ledgers.py [DIR]   (default /tmp/layout-ledger-runbook)
+    .venv/bin/python scripts/runbook_ledgers.py --rewrite-docs   (after an output changed)
 
 Builds under DIR one directory per incident, each with the two ranks' ledgers (``daemon0.sqlite``,
 ``daemon1.sqlite``) of an engine over the demo's geometry (8 layers x 12 physical slots, 8
@@ -10,7 +11,10 @@ daemon. A daemon the incident needs running stays running (its process holds the
 its writer lock) until this script is interrupted; a killed one is a process that exited
 without ending its incarnation, as a SIGKILLed daemon leaves it. Then run the runbook's commands
 on DIR's ledgers. tests/test_runbook_examples.py builds them the same way and checks every
-command of the runbook against its output on the page.
+command of the runbook against its output on the page; ``--rewrite-docs`` builds them in a
+scratch directory, runs every command of docs/operations.md's console blocks and writes what
+each printed back into the page (paths shown under /tmp/layout-ledger-runbook; a ``...`` the
+page has keeps the same lines left out).
 
 The incidents (the directory: the section of docs/operations.md):
 
@@ -26,7 +30,10 @@ The incidents (the directory: the section of docs/operations.md):
 from __future__ import annotations
 
 import multiprocessing
+import os
+import re
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -42,6 +49,7 @@ from layout_ledger.core.record import LayoutRecord
 from layout_ledger.store.ledger import Ledger
 from layout_ledger.store.origin import IncarnationOrigin
 
+BIN = Path(sys.executable).parent
 GEOMETRY = Geometry(num_layers=8, num_physical_slots=12, num_logical_experts=8)
 DEFAULT_DIR = Path("/tmp/layout-ledger-runbook")
 INCIDENTS = ("dirty", "disagree", "pending", "paused", "died", "restarted", "backup")
@@ -229,6 +237,8 @@ def runbook_ledgers(root: Path) -> Iterator[Runbook]:
                 said = receive.recv()
                 if said != "ok":
                     raise RuntimeError(f"{incident} rank {rank}: {said}")
+        (root / "backups").mkdir()  # an operator's backup directory
+        (root / "cp-backups").mkdir()  # the page's /backups/
         yield built
     finally:
         stop.set()
@@ -238,7 +248,89 @@ def runbook_ledgers(root: Path) -> Iterator[Runbook]:
                 process.kill()
 
 
+def console_blocks(text: str) -> list[list[tuple[str, list[str]]]]:
+    """Each ```console block of a page: its (command, shown output lines)."""
+    blocks = []
+    for body in re.findall(r"^```console\n(.*?)^```$", text, re.S | re.M):
+        entries: list[tuple[str, list[str]]] = []
+        for line in body.rstrip("\n").split("\n"):
+            if line.startswith("$ "):
+                entries.append((line[2:], []))
+            else:
+                entries[-1][1].append(line)
+        blocks.append(entries)
+    return blocks
+
+
+def block_incident(block: list[tuple[str, list[str]]]) -> str:
+    """The incident a block's commands read (its directory under DEFAULT_DIR)."""
+    for command, _ in block:
+        match = re.search(rf"{re.escape(str(DEFAULT_DIR))}/([a-z]+)/", command)
+        if match:
+            return match.group(1)
+    return "backup"
+
+
+def run_command(command: str, root: Path, incident: str) -> tuple[int, list[str]]:
+    """``command`` as the page gives it, run by a shell in ``incident``'s directory under
+    ``root`` (the page's DEFAULT_DIR and /backups/ mapped there, and back in what it prints)."""
+    here = command.replace(str(DEFAULT_DIR), str(root)).replace(
+        " /backups/", f" {root}/cp-backups/"
+    )
+    environment = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run(
+        here,
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=root / incident,
+        env=environment,
+        timeout=120,
+        check=False,
+    )
+    printed = done.stdout + done.stderr
+    printed = printed.replace(f"{root}/cp-backups/", "/backups/").replace(
+        str(root), str(DEFAULT_DIR)
+    )
+    return done.returncode, printed.rstrip("\n").split("\n") if printed else []
+
+
+def rewrite_docs(page: Path) -> None:
+    """Run every console block's commands against freshly built ledgers and write what they
+    print into ``page``."""
+    text = page.read_text()
+    with tempfile.TemporaryDirectory(prefix="layout-ledger-runbook-") as scratch:
+        root = Path(scratch)
+        with runbook_ledgers(root):
+            rendered = []
+            for block in console_blocks(text):
+                lines, code = [], 0
+                for command, shown in block:
+                    if command == "echo $?":
+                        got = [str(code)]
+                    else:
+                        code, got = run_command(command, root, block_incident(block))
+                    if "..." in shown:
+                        cut = shown.index("...")
+                        after = len(shown) - cut - 1
+                        got = [*got[:cut], "...", *(got[len(got) - after :] if after else [])]
+                    lines.extend([f"$ {command}", *got])
+                rendered.append("\n".join(lines) + "\n")
+    parts = iter(rendered)
+    page.write_text(
+        re.sub(
+            r"^(```console\n)(.*?)^(```)$",
+            lambda m: m[1] + next(parts) + m[3],
+            text,
+            flags=re.S | re.M,
+        )
+    )
+
+
 def main(argv: list[str]) -> int:
+    if argv[1:] == ["--rewrite-docs"]:
+        rewrite_docs(Path(__file__).resolve().parents[1] / "docs" / "operations.md")
+        return 0
     root = Path(argv[1]) if len(argv) > 1 else DEFAULT_DIR
     if root.exists() and any(root.iterdir()):
         root = Path(tempfile.mkdtemp(prefix="layout-ledger-runbook-"))

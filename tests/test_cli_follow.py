@@ -265,6 +265,88 @@ def test_follow_of_a_stopped_daemons_ledger_sees_the_next_daemon_start(tmp_path,
     assert [json.loads(line)["incarnation_id"] for line in lines.lines] == [1, 2, 3]
 
 
+# --- many ledgers: one timeline ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("two")
+    build("clean", directory / "a.sqlite")  # 17 events, t0..t16
+    build("dirty", directory / "b.sqlite")  # 9 events, t0..t7
+    return directory
+
+
+def test_history_of_many_ledgers_is_one_timeline_each_line_naming_its_rank(two, capsys):
+    code, out, _ = run_cli(capsys, "history", str(two), "--nl")
+    assert code == exit_codes.OK
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 17 + 9
+    assert [row["at"] for row in rows] == sorted(row["at"] for row in rows)
+    assert {(row["ledger"], row["rank"]) for row in rows} == {
+        (str(two / "a.sqlite"), 0),
+        (str(two / "b.sqlite"), 1),
+    }
+    _, out, _ = run_cli(capsys, "history", str(two), "--kind", "dirty")
+    assert out == (
+        f"rank 1  {at(5)}  inc=1  #7  dirty engine=engine-a layers=2-3 base=1  (engine 'engine-a' "
+        "detached while its move of layers [2, 3] from version 1 was pending, so the weights of "
+        "those layers may be half-moved; restart the daemon (it reloads the weights from disk) "
+        "and the engines that use it)\n"
+    )
+    # --last: the newest of the whole timeline; --reverse: newest first; --json: each cursor.
+    _, out, _ = run_cli(capsys, "history", str(two), "--last", "3", "-r", "--json")
+    report = json.loads(out)
+    assert [(e["rank"], e["event_id"]) for e in report["events"]] == [(0, 17), (0, 16), (0, 15)]
+    assert [ledger["cursor"] for ledger in report["ledgers"]] == [17, 9]
+
+
+def test_a_cursor_is_one_ledgers_so_many_ledgers_refuse_after_event(two, capsys):
+    code, out, err = run_cli(capsys, "history", str(two), "--after-event", "3")
+    assert (code, out) == (exit_codes.UNUSABLE, "")
+    assert "poll each ledger with its own cursor" in err
+
+
+@pytest.mark.timeout(240)
+def test_follow_of_many_ledgers_prints_each_ledgers_new_events_naming_its_rank(tmp_path, clean):
+    shutil.copyfile(clean, tmp_path / "a.sqlite")
+    if Path(f"{clean}-wal").exists():
+        shutil.copyfile(f"{clean}-wal", tmp_path / "a.sqlite-wal")
+    live = tmp_path / "b.sqlite"
+    context = multiprocessing.get_context("spawn")
+    ready, stop = context.Event(), context.Event()
+    commits = context.Value("i", 0)
+    writer = context.Process(target=committing_writer, args=(str(live), ready, stop, commits))
+    writer.start()
+    follower = None
+    try:
+        assert ready.wait(120), "the writer process did not start"
+        follower = subprocess.Popen(
+            [str(CONSOLE_SCRIPT), "history", str(tmp_path), "--follow", "--nl"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        lines = _Lines(follower)
+        lines.read_until(lambda got: len(got) >= 40, 60)
+        stop.set()
+        writer.join(60)
+        (last_id,) = query(live, "SELECT max(event_id) FROM events")[0]
+        lines.read_until(lambda got: any(f'"event_id": {last_id},' in x for x in got), 30)
+        follower.send_signal(signal.SIGINT)
+        _, err = follower.communicate(timeout=30)
+    finally:
+        stop.set()
+        writer.join(60)
+        if follower is not None and follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    assert (follower.returncode, err) == (0, b"")
+    rows = [json.loads(line) for line in lines.lines]
+    assert len(rows[:10]) == 10  # the timeline's last ten first
+    live_ids = [row["event_id"] for row in rows if row["ledger"] == str(live)]
+    assert live_ids == list(range(live_ids[0], last_id + 1)), "an event missed or printed twice"
+    assert {row["rank"] for row in rows if row["ledger"] == str(live)} == {1}
+
+
 # --- status: how long ago -------------------------------------------------------------------
 
 

@@ -11,36 +11,22 @@ line ``...`` stands for any lines.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from runbook_ledgers import DEFAULT_DIR, runbook_ledgers
+from runbook_ledgers import block_incident, console_blocks, run_command, runbook_ledgers
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNBOOK = ROOT / "docs" / "operations.md"
-BIN = Path(sys.executable).parent
 PAGE_HOST = "vm"
 
 
-def console_blocks() -> list[list[tuple[str, list[str]]]]:
-    """Each ```console block of the runbook: its (command, shown output lines)."""
-    blocks = []
-    for body in re.findall(r"^```console\n(.*?)^```$", RUNBOOK.read_text(), re.S | re.M):
-        entries: list[tuple[str, list[str]]] = []
-        for line in body.rstrip("\n").split("\n"):
-            if line.startswith("$ "):
-                entries.append((line[2:], []))
-            else:
-                entries[-1][1].append(line)
-        blocks.append(entries)
-    return blocks
+def _blocks() -> list[list[tuple[str, list[str]]]]:
+    return console_blocks(RUNBOOK.read_text())
 
 
 def _normal(line: str) -> str:
@@ -61,34 +47,19 @@ def _matches(shown: list[str], got: list[str]) -> bool:
 def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("runbook")
     with runbook_ledgers(root) as runbook:
-        (root / "cp-backups").mkdir()
         yield runbook.root
 
 
-def _run(command: str, root: Path, directory: Path) -> tuple[int, list[str]]:
-    here = command.replace(str(DEFAULT_DIR), str(root)).replace(
-        " /backups/", f" {root}/cp-backups/"
-    )
-    environment = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run(
-        here,
-        shell=True,
-        capture_output=True,
-        text=True,
-        cwd=directory,
-        env=environment,
-        timeout=120,
-        check=False,
-    )
-    text = (done.stdout + done.stderr).replace(str(root), str(DEFAULT_DIR))
+def _run(command: str, root: Path, incident: str) -> tuple[int, list[str]]:
+    code, got = run_command(command, root, incident)
     host = socket.gethostname()
     if host != PAGE_HOST:
-        text = re.sub(rf"\b{re.escape(host)}\b", PAGE_HOST, text)
-    return done.returncode, text.rstrip("\n").split("\n") if text else []
+        got = [re.sub(rf"\b{re.escape(host)}\b", PAGE_HOST, line) for line in got]
+    return code, got
 
 
 def test_the_runbook_has_console_blocks_of_the_incidents():
-    commands = [command for block in console_blocks() for command, _ in block]
+    commands = [command for block in _blocks() for command, _ in block]
     assert len(commands) >= 15
     assert all(
         command == "echo $?" or command.startswith(("layout-ledger ", "cp "))
@@ -96,22 +67,23 @@ def test_the_runbook_has_console_blocks_of_the_incidents():
     )
 
 
+def test_the_runbook_shows_no_error_line():
+    # An example that fails where the page means it to work (a rewrite of the page from a
+    # wrong setup) must not pass as the documented output.
+    errors = [
+        line for block in _blocks() for _, shown in block for line in shown if ": error: " in line
+    ]
+    assert errors == []
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("index", range(len(console_blocks())))
+@pytest.mark.parametrize("index", range(len(_blocks())))
 def test_each_runbook_command_prints_what_the_page_shows(built, index):
-    block = console_blocks()[index]
-    incident = next(
-        (
-            match.group(1)
-            for command, _ in block
-            if (match := re.search(rf"{re.escape(str(DEFAULT_DIR))}/([a-z]+)/", command))
-        ),
-        "backup",
-    )
+    block = _blocks()[index]
     code = 0
     for command, shown in block:
         if command == "echo $?":
             assert shown == [str(code)], f"exit code after the command before: {code}"
             continue
-        code, got = _run(command, built, built / incident)
+        code, got = _run(command, built, block_incident(block))
         assert _matches(shown, got), f"$ {command}\n" + "\n".join(got)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from layout_ledger.cli import exit_codes
@@ -40,19 +40,25 @@ def file_signature(path: Path) -> Signature:
 
 
 def follow_changes(
-    path: Path, read_new: Callable[[], None], poll_seconds: float = POLL_SECONDS
+    paths: Sequence[Path],
+    read_new: Callable[[list[int]], None],
+    poll_seconds: float = POLL_SECONDS,
 ) -> int:
-    """Call ``read_new`` now and again each time ``path`` or its WAL changed, until interrupted
-    (exit 0). ``read_new`` reads, in one snapshot, what came after what it read last."""
+    """Call ``read_new`` with every index of ``paths`` now, then with the indices of those
+    whose file or WAL changed, until interrupted (exit 0). ``read_new`` reads, in one snapshot
+    per ledger, what came after what it read last."""
     try:
-        # The signature before the read: a commit after it shows in the next comparison.
-        seen = file_signature(path)
-        read_new()
+        # The signatures before the read: a commit after them shows in the next comparison.
+        seen = [file_signature(path) for path in paths]
+        read_new(list(range(len(paths))))
         while True:
             time.sleep(poll_seconds)
-            now = file_signature(path)
-            if now != seen:
+            now = [file_signature(path) for path in paths]
+            changed = [
+                index for index, (old, new) in enumerate(zip(seen, now, strict=True)) if old != new
+            ]
+            if changed:
                 seen = now
-                read_new()
+                read_new(changed)
     except KeyboardInterrupt:
         return exit_codes.OK

@@ -168,6 +168,17 @@ def _ledgers(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _timeline(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "ledger",
+        nargs="+",
+        metavar="LEDGER",
+        help="a ledger file, a directory (its ledgers), or the daemons' ledger template with "
+        "{device_uuid} (the ledgers it matches); many ledgers: one timeline, each line naming "
+        "its rank",
+    )
+
+
 def _paths(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "paths",
@@ -255,6 +266,7 @@ def _ep_size(parser: argparse.ArgumentParser) -> None:
 SHARED_OPTIONS: dict[str, OptionAdder] = {
     "ledger": _ledger,
     "ledgers": _ledgers,
+    "timeline": _timeline,
     "paths": _paths,
     "json": _json,
     "rows": _json_or_rows,
@@ -491,7 +503,7 @@ COMMANDS: dict[str, str] = {
 # Each verb: the shared options it takes (in this order), then its own.
 VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
     "status": (("ledgers", "json", "incarnation"), None),
-    "history": (("ledger", "rows", "incarnations", "layers"), _history_options),
+    "history": (("timeline", "rows", "incarnations", "layers"), _history_options),
     "show": (("ledger", "json", "incarnation", "version", "layers", "ep_size"), _show_options),
     "diff": (("ledger", "rows", "incarnation", "layers"), _diff_options),
     "export": (("ledger", "json", "incarnation", "version", "ep_size"), _export_options),
@@ -521,6 +533,7 @@ VERB_EXAMPLES: dict[str, tuple[str, ...]] = {
         "layout-ledger history LEDGER --layers 17 --kind commit,dirty",
         "layout-ledger history LEDGER --since '1 hour ago' --follow",
         "layout-ledger history LEDGER --after-event 4182 --nl",
+        "layout-ledger history '/var/lib/sglang/expert_layout_{device_uuid}.sqlite' --kind dirty",
     ),
     "show": ("layout-ledger show LEDGER --version 12 --ep-size 2",),
     "diff": ("layout-ledger diff LEDGER 3 12", "layout-ledger diff LEDGER 3 12 --slots --csv"),

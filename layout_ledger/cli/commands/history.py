@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ from sqlalchemy import Connection, text
 
 from layout_ledger.cli import exit_codes
 from layout_ledger.cli.event_rows import EVENT_COLUMNS, EVENT_COLUMNS_SQL, EventRow, render_event
-from layout_ledger.cli.json_shape import JsonObject, JsonShaped
+from layout_ledger.cli.json_shape import JsonObject, JsonShaped, json_field
 from layout_ledger.cli.layer_ranges import LayerRanges
-from layout_ledger.cli.output import emit
+from layout_ledger.cli.output import emit, print_error
+from layout_ledger.cli.path_expansion import expand_ledger_paths, names_many
 from layout_ledger.cli.row_formats import write_rows
 from layout_ledger.cli.terminal import printable
 from layout_ledger.core import events as ev
@@ -41,12 +43,26 @@ def run(args: argparse.Namespace) -> int:
         after_event=args.after_event,
         reverse=args.reverse,
     )
+    many = names_many(args.ledger)
+    if many and wanted.after_event is not None:
+        print_error(
+            "history",
+            "--after-event names an event of one ledger (event ids are each ledger's own); "
+            "poll each ledger with its own cursor",
+        )
+        return exit_codes.UNUSABLE
+    paths = expand_ledger_paths(args.ledger) if many else [Path(args.ledger[0])]
     if args.follow:
-        return _follow(args, wanted)
-    with LedgerReader(args.ledger) as ledger:
-        collected = collect_history(ledger, wanted)
-    rows = (EVENT_COLUMNS, history_rows(collected))
-    emit(args, collected.to_json(), render_history(collected), rows)
+        return _follow(args, wanted, paths, many)
+    if not many:
+        with LedgerReader(paths[0]) as ledger:
+            collected = collect_history(ledger, wanted)
+        rows = (EVENT_COLUMNS, history_rows(collected))
+        emit(args, collected.to_json(), render_history(collected), rows)
+        return exit_codes.OK
+    merged = collect_merged(paths, wanted)
+    lines = [render_merged(event) for event in merged.events] or ["no events match"]
+    emit(args, merged.to_json(), lines, (MERGED_COLUMNS, merged_rows(merged.events)))
     return exit_codes.OK
 
 
@@ -201,28 +217,115 @@ def history_rows(report: HistoryReport) -> list[JsonObject]:
 FOLLOW_FIRST = 10
 
 
-def _follow(args: argparse.Namespace, wanted: HistoryRequest) -> int:
+def _follow(args: argparse.Namespace, wanted: HistoryRequest, paths: list[Path], many: bool) -> int:
     """The matching events, then each new one as it is committed (``cli.follow``), each once:
-    every read asks for the events after the newest one the previous read saw."""
+    every read of a ledger asks for the events after the newest one its previous read saw.
+    Many ledgers: one merged timeline, each line naming its rank."""
     from layout_ledger.cli.follow import follow_changes
 
     if wanted.last is None and wanted.since is None and wanted.after_event is None:
         wanted = dataclasses.replace(wanted, last=FOLLOW_FIRST)
     form = getattr(args, "rows", None)
-    asked = [wanted]
+    asked = [wanted] * len(paths)
+    ranks: dict[int, int] = {}
+    first = [True]
 
-    def read_new() -> None:
-        with LedgerReader(args.ledger) as ledger:
-            report = collect_history(ledger, asked[0])
-        first = asked[0] is wanted
-        if form is not None:
-            write_rows(sys.stdout, form, EVENT_COLUMNS, history_rows(report), header=first)
+    def read_new(changed: list[int]) -> None:
+        found: list[MergedEvent] = []
+        for index in changed:
+            with LedgerReader(paths[index]) as ledger:
+                report = collect_history(ledger, asked[index])
+                if index not in ranks:
+                    ranks[index] = _rank_of(ledger, index)
+            found.extend(MergedEvent(str(paths[index]), ranks[index], e) for e in report.events)
+            # Next: after this read's newest event, the engine as it resolved, no --last.
+            asked[index] = dataclasses.replace(
+                asked[index], engine=report.filter.engine_id, last=None, after_event=report.cursor
+            )
+        found.sort(key=_merge_key)
+        if first[0] and wanted.last is not None:
+            found = found[-wanted.last :]
+        _write_followed(form, found, many, header=first[0])
+        first[0] = False
+
+    return follow_changes(paths, read_new)
+
+
+def _write_followed(
+    form: str | None, found: list[MergedEvent], many: bool, *, header: bool
+) -> None:
+    if form is not None:
+        if many:
+            write_rows(sys.stdout, form, MERGED_COLUMNS, merged_rows(found), header=header)
         else:
-            sys.stdout.write("".join(printable(render_event(e)) + "\n" for e in report.events))
-        sys.stdout.flush()
-        # The next read: after this one's newest event, the engine as it resolved, no --last.
-        asked[0] = dataclasses.replace(
-            asked[0], engine=report.filter.engine_id, last=None, after_event=report.cursor
-        )
+            rows = [item.event.to_json() for item in found]
+            write_rows(sys.stdout, form, EVENT_COLUMNS, rows, header=header)
+    else:
+        render = render_merged if many else (lambda item: render_event(item.event))
+        sys.stdout.write("".join(printable(render(item)) + "\n" for item in found))
+    sys.stdout.flush()
 
-    return follow_changes(Path(args.ledger), read_new)
+
+# --- many ledgers: one merged timeline --------------------------------------------------------
+
+# A merged row: the ledger and its rank, then the event's columns.
+MERGED_COLUMNS: tuple[str, ...] = ("ledger", "rank", *EVENT_COLUMNS)
+
+
+@dataclass(frozen=True)
+class MergedEvent(JsonShaped):
+    """An event of one of many ledgers: which ledger, its rank, the event (its columns)."""
+
+    ledger: str
+    rank: int  # the TP rank its daemon recorded, else the ledger's place in the list
+    event: EventRow = dataclasses.field(metadata=json_field(spread=True))
+
+
+@dataclass(frozen=True)
+class MergedHistory(JsonShaped):
+    """``history`` of many ledgers: their events in one timeline (by time, then by the order
+    the ledgers were named), each naming its ledger and rank; each ledger's cursor."""
+
+    ledgers: tuple[JsonObject, ...]  # {path, rank, cursor}
+    filter: HistoryFilter
+    events: tuple[MergedEvent, ...]
+
+
+def _rank_of(ledger: LedgerReader, index: int) -> int:
+    with ledger.connect() as conn:
+        tp_rank = incarnation(conn).origin.tp_rank
+    return index if tp_rank is None else tp_rank
+
+
+def _merge_key(item: MergedEvent) -> tuple[str, str, int]:
+    return (item.event.at, item.ledger, item.event.event_id)
+
+
+def collect_merged(paths: list[Path], wanted: HistoryRequest) -> MergedHistory:
+    """Each ledger's matching events (its last N with --last), merged by time; the last N of
+    the merge with --last, newest first with --reverse."""
+    per_ledger = dataclasses.replace(wanted, reverse=False)
+    found: list[MergedEvent] = []
+    ledgers: list[JsonObject] = []
+    applied: HistoryFilter | None = None
+    for index, path in enumerate(paths):
+        with LedgerReader(path) as ledger:
+            report = collect_history(ledger, per_ledger)
+            rank = _rank_of(ledger, index)
+        applied = applied or report.filter
+        ledgers.append({"path": str(path), "rank": rank, "cursor": report.cursor})
+        found.extend(MergedEvent(str(path), rank, event) for event in report.events)
+    found.sort(key=_merge_key)
+    if wanted.last is not None:
+        found = found[-wanted.last :]
+    if wanted.reverse:
+        found.reverse()
+    return MergedHistory(tuple(ledgers), applied or HistoryFilter(), tuple(found))
+
+
+def render_merged(item: MergedEvent) -> str:
+    return f"rank {item.rank}  {render_event(item.event)}"
+
+
+def merged_rows(found: Sequence[MergedEvent]) -> list[JsonObject]:
+    return [item.to_json() for item in found]
