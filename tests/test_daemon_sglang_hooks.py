@@ -134,7 +134,7 @@ def test_importing_the_plugin_registers_nothing_and_register_declares_every_hook
     from sglang_integration.daemon import hooks as daemon_hooks
     from sglang_integration.engine import ipc_loader as loader_hooks
     from sglang_integration.engine import load_check as loaded_content
-    from sglang_integration.engine import rebalance
+    from sglang_integration.engine import rebalance, standby
     from sglang_integration.engine import startup as engine_startup
 
     result = run_isolated(_registration_check, tmp_path)
@@ -147,6 +147,7 @@ def test_importing_the_plugin_registers_nothing_and_register_declares_every_hook
         loader_hooks.SEND_TARGET: [["around", "around_send_msg"]],
         loader_hooks.RECV_TARGET: [["around", "around_recv_msg"]],
         rebalance.HOOK_TARGET: [["around", "rebalance_around"]],
+        standby.HOOK_TARGET: [["around", "around_forward"]],
         daemon_hooks.SPAWN_TARGET: [["around", "around_spawn_weight_cache_daemon"]],
     }
 
