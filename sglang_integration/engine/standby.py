@@ -170,6 +170,9 @@ class StandbyGate:
         self.releases = 0
         self._older_warned = False
         self._lock = threading.Lock()  # held, in_forward, last_forward
+        # Held across an idle release's request and across an acquisition, so that a release
+        # can never reach the daemon after a lease that a forward pass then relies on.
+        self._release_lock = threading.Lock()
         self._wake = threading.Event()  # set when the gate closes
         # The metadata of the daemon's newest map, built off the forward path while this rank
         # holds no lease: (version, digest, ExpertLocationMetadata) or None.
@@ -195,7 +198,8 @@ class StandbyGate:
             if self.held:
                 return
         try:
-            self._acquire()
+            with self._release_lock:
+                self._acquire()
         except BaseException:
             self.after_forward()
             raise
@@ -437,13 +441,15 @@ class StandbyGate:
 
     def release_if_idle(self, now: float | None = None) -> bool:
         """Release this rank's lease when no forward pass ran for the idle time; True if it did."""
-        with self._lock:
-            now = time.monotonic() if now is None else now
-            if not self.held or self.in_forward or now - self.last_forward < self.idle_seconds:
-                return False
-            self.held = False
-        self._release_quietly()
-        self.releases += 1
+        with self._release_lock:
+            with self._lock:
+                now = time.monotonic() if now is None else now
+                idle = now - self.last_forward >= self.idle_seconds
+                if not self.held or self.in_forward or not idle:
+                    return False
+                self.held = False
+            self._release_quietly()
+            self.releases += 1
         logger.info(
             "standby ran no forward pass for %g s: released its lease (rank %d)",
             self.idle_seconds,
