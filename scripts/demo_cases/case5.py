@@ -133,6 +133,7 @@ def _follow_then_take_over(workspace: Workspace, result: CaseResult, warmup: Cas
     result.info(
         "C's first forward (s, per rank)", per_rank(f"{r['forward_seconds']:.3f}" for r in first)
     )
+    _seen_by_the_operator(result, daemons[0].ledger_path, str(engine_c.engine_id))
     alone_again = engine_c.rebalance(1, in_forward=True)
     v4 = last + chunks
     right = sum(r["matching"] for r in alone_again)
@@ -144,6 +145,28 @@ def _follow_then_take_over(workspace: Workspace, result: CaseResult, warmup: Cas
     )
     engine_c.exit()
     result.facts.update(v=v, v2=v2, v3=v3, last=last, v4=v4)
+
+
+def _seen_by_the_operator(result: CaseResult, ledger: str, engine_c: str) -> None:
+    """``layout-ledger status`` and ``history`` show C's role and its leases (the console
+    script, read-only, beside the running daemon)."""
+    import json
+
+    from demo_cases.forensics import run_layout_ledger
+
+    status = run_layout_ledger(["status", ledger, "--json"])
+    report = json.loads(status.output) if status.output.startswith("{") else {}
+    result.check(
+        "status (daemon 0's ledger): C's role and lease",
+        "standby, lease",
+        f"{'standby' if engine_c in report.get('standbys', []) else '?'}, "
+        f"{'lease' if engine_c in report.get('leases', []) else 'no lease'}",
+        engine_c in report.get("standbys", []) and engine_c in report.get("leases", []),
+    )
+    history = run_layout_ledger(["history", ledger, "--kind", "lease,release"])
+    kinds = [line.split()[3] for line in history.output.splitlines() if "  inc=" in line]
+    result.info("history --kind lease,release (daemon 0): events", ", ".join(kinds))
+    result.facts["operator"] = [status.command, history.command]
 
 
 def _killed_mid_move(workspace: Workspace, warmup: CaseResult) -> None:
