@@ -1,4 +1,4 @@
-"""A reduced run of the CPU end-to-end demo (``scripts/demo.py``): the same four cases and the
+"""A reduced run of the CPU end-to-end demo (``scripts/demo.py``): the same five cases and the
 forensics, with fewer rebalances, through the same code (``scripts/demo_cases``): real
 model-less daemons with ledgers, engines of 2 gloo rank processes running sglang's real startup
 method, ``EPLBManager`` and ``ExpertLocationUpdater`` through the plugin's real hooks,
@@ -139,3 +139,25 @@ def test_no_process_or_shared_memory_file_outlives_the_demo(
     assert workspace.processes_alive() == []
     assert not workspace.root.exists()
     assert not workspace.shm_root.exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_standby_without_a_lease_lets_the_active_engine_rebalance_and_takes_over_in_place(
+    demo: tuple[DemoRun, Workspace],
+) -> None:
+    case = _case(demo[0], "Case 5: ")
+    _assert_every_check_holds(case)
+    facts = case.facts
+    assert facts["v2"] > facts["v"]  # versions go past V with the standby attached
+    checks = {check.what: check.measured for check in case.checks}
+    took_over = next(what for what in checks if what.startswith("C's first forward: its lease"))
+    assert checks[took_over].endswith(f"; {CONFIG.all_slots}/96")
+
+
+@pytest.mark.timeout(240)
+def test_a_standbys_warmup_pauses_moves_only_until_its_lease_idles_out_and_it_repairs_a_mid_move(
+    demo: tuple[DemoRun, Workspace],
+) -> None:
+    case = _case(demo[0], "Case 5 (b)")
+    _assert_every_check_holds(case)
+    assert len(case.checks) == 6

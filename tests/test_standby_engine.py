@@ -339,3 +339,36 @@ def test_a_standby_on_a_daemon_from_before_roles_runs_as_active_and_warns_once(
     assert report["forwards"] and report["raised"] is None
     warned = [text for text in warnings_of(report) if "know no roles" in text]
     assert len(warned) == 1 and "runs as an active engine" in warned[0]
+
+
+@pytest.mark.parametrize("layers", [[0, 2], [0, 1, 2]], ids=["some layers", "every layer"])
+def test_the_in_place_copy_writes_what_sglangs_update_writes_and_keeps_the_tensors(
+    two_ranks: EngineRanks, model_dir: Path, tmp_path: Path, layers: list[int]
+) -> None:
+    target = after(FIRST_MOVE, SECOND_MOVE)
+    with daemons(tmp_path, ["ledger"] * 2) as started:
+        reports = two_ranks.run(
+            standby(started, model_dir, then=[["compare_update", target, layers]])
+        )
+    ok(reports)
+    for report in reports:
+        assert report["compare_update"] == {"same": True, "kept": True}
+
+
+def test_an_idle_standby_prepares_the_newest_map_off_the_forward_path(
+    two_ranks: EngineRanks, model_dir: Path, tmp_path: Path
+) -> None:
+    with daemons(tmp_path, ["ledger"] * 2) as started:
+        ok(two_ranks.run(standby(started, model_dir, then=[["wait_released", 20]], idle=0.3)))
+        mover = Mover(started)
+        try:
+            mover.move(FIRST_MOVE)
+        finally:
+            mover.exit()
+        reports = two_ranks.run(later([["sleep", 3.0], ["forward"]]))
+    ok(reports)
+    expected = after(FIRST_MOVE)
+    for report in reports:
+        (forward,) = report["forwards"]
+        assert forward["leased"] and forward["map"] == expected and forward["same_addresses"]
+        assert report["gate"]["prepared_adoptions"] == 1

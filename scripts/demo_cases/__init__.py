@@ -21,6 +21,11 @@ whole ``run``:
   daemons, inside a move after begin (B refuses to start with the dirty reason).
 - Forensics: ``layout-ledger status``, ``history`` and ``verify`` on the dirty daemon's ledger,
   and the README's ``sqlite3`` query naming the engine that left it dirty.
+- Case 4: repair instead of restart (``case4``).
+- Case 5: a warm standby C (``SGLANG_EXPERT_LAYOUT_ROLE=standby``) beside a rebalancing A: A
+  keeps moving, C takes over after A's SIGKILL with its first forward pass; (b) a warmup batch
+  holds A's begins only until C's lease idles out; (c) C's first forward repairs daemons A left
+  mid-move (``case5``).
 
 Every function returns data (``CaseResult``: checks with expected and measured values, notes,
 seconds); ``scripts/demo.py`` renders it. A check whose expectation fails is a failed check,

@@ -1,5 +1,5 @@
 """The whole demo: cases 1-3, the forensics of case 3 (b)'s dirty ledger, then case 4 on the
-same daemons."""
+same daemons, then case 5 (a warm standby beside a rebalancing engine) on its own."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from demo_cases.case1 import run_case1, run_case1_without_plugin
 from demo_cases.case2 import run_case2
 from demo_cases.case3 import run_case3
 from demo_cases.case4 import run_case4
+from demo_cases.case5 import run_case5
 from demo_cases.config import DemoConfig
 from demo_cases.forensics import CommandOutput, run_forensics
 from demo_cases.results import CaseResult, Check
@@ -59,4 +60,7 @@ def run_demo(
     repaired, refused = run_case4(workspace, dirty_daemons, dirty_experts, case3)
     done(repaired)
     done(refused)
+    standby, standby_more = run_case5(workspace)
+    done(standby)
+    done(standby_more)
     return run

@@ -23,6 +23,10 @@ current map:
 
 Leases end when serving ends: a rank that ran no forward pass for
 ``SGLANG_EXPERT_LAYOUT_STANDBY_IDLE`` seconds releases its lease on its own (a thread per rank).
+While it holds none, a second thread follows its daemon (a query every ``FOLLOW_INTERVAL``
+seconds) and builds the metadata of the newest map off the forward path (``prepared``), so the
+first forward pass after a failover only copies the changed layers in; a map it has not
+prepared yet is built on the forward path (scripts/bench_standby.py measures both).
 
 The collectives run on a gloo group of their own, created at startup with a timeout a little
 longer than the wait timeout, so a rank can never wait in one for ever: the one history the
@@ -108,6 +112,8 @@ UPSTREAM_LINES = (
 POLL_INTERVAL = 0.05
 # Seconds the gate's gloo group waits in a collective beyond the wait timeout.
 COLLECTIVE_SLACK = 60.0
+# How often an idle standby rank looks for a newer map to prepare off the forward path.
+FOLLOW_INTERVAL = 1.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,8 @@ class _Grant:
     reason: str | None
     version: int | None
     digest: str | None
+    # This rank already built the metadata of exactly this version and digest (``prepared``).
+    prepared: bool = False
 
 
 class StandbyGate:
@@ -158,37 +166,49 @@ class StandbyGate:
         self.last_forward = time.monotonic()
         self.acquisitions = 0  # collective acquisitions
         self.local_acquisitions = 0
+        self.prepared_adoptions = 0  # acquisitions that copied a prepared map in
         self.releases = 0
         self._older_warned = False
-        self._cond = threading.Condition()
-        self._closed = False
-        self._idle_thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # held, in_forward, last_forward
+        # Held across an idle release's request and across an acquisition, so that a release
+        # can never reach the daemon after a lease that a forward pass then relies on.
+        self._release_lock = threading.Lock()
+        self._wake = threading.Event()  # set when the gate closes
+        # The metadata of the daemon's newest map, built off the forward path while this rank
+        # holds no lease: (version, digest, ExpertLocationMetadata) or None.
+        self.prepared: tuple[int, str, Any] | None = None
+        self._granted_prepared: tuple[int, str, Any] | None = None
+        self._threads: list[threading.Thread] = []
         if start_idle_thread:
-            self._idle_thread = threading.Thread(
-                target=self._idle_loop, name="expert-layout-standby-idle", daemon=True
-            )
-            self._idle_thread.start()
+            for target, name in (
+                (self._idle_loop, "expert-layout-standby-idle"),
+                (self._follow_loop, "expert-layout-standby-follow"),
+            ):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     # --- the forward pass --------------------------------------------------------------
 
     def before_forward(self) -> None:
         """Return once this rank may run the batch: it holds its lease and routes with the
         daemon's current map (raises ``ExpertLayoutStartupError`` on every rank otherwise)."""
-        with self._cond:
+        with self._lock:
             self.in_forward = True
             if self.held:
                 return
         try:
-            self._acquire()
+            with self._release_lock:
+                self._acquire()
         except BaseException:
             self.after_forward()
             raise
 
     def after_forward(self) -> None:
-        with self._cond:
+        now = time.monotonic()
+        with self._lock:
             self.in_forward = False
-            self.last_forward = time.monotonic()
-            self._cond.notify_all()
+            self.last_forward = now
 
     # --- acquisition ---------------------------------------------------------------------
 
@@ -233,14 +253,40 @@ class StandbyGate:
             if time.monotonic() >= deadline:
                 raise ExpertLayoutStartupError(self._busy_text(grants))
             time.sleep(self.poll_interval)
+        if self._adopt_prepared(grants):
+            return
         self._agree_and_adopt(grants)
+
+    def _adopt_prepared(self, grants: Sequence[_Grant]) -> bool:
+        """Every rank was granted at one version and digest, and every rank prepared exactly
+        that map's metadata (its digest checked when it was read): the agreement holds without
+        reading the maps again; copy the changed layers in. The same answer on every rank (it
+        depends on the gathered grants only)."""
+        keys = {(g.version, g.digest) for g in grants}
+        if len(keys) != 1 or not all(g.outcome == "ok" and g.prepared for g in grants):
+            return False
+        prepared = self._granted_prepared  # what this rank's own grant found prepared
+        if prepared is None:  # cannot happen: this rank's own grant said prepared
+            raise RuntimeError("the prepared layout vanished between the grant and its use")
+        version, digest, built = prepared
+        from sglang_integration.engine.metadata import map_of
+        from sglang_integration.engine.standby_metadata import changed_layers, copy_layers_in_place
+
+        layers = changed_layers(map_of(self.metadata), map_of(built))
+        copy_layers_in_place(self.metadata, built, layers)
+        self.prepared_adoptions += 1
+        self._adopted(version, digest, layers)
+        return True
 
     def _ask_lease(self) -> _Grant:
         rank = self.session.rank
         reply = client.lease(self.session.socket_path, self.session.engine_id)
         if reply.outcome is Outcome.OK:
-            body = reply.body
-            return _Grant(rank, "ok", None, body.get("version"), body.get("digest"))
+            version, digest = reply.body.get("version"), reply.body.get("digest")
+            known = self.prepared  # one read: the follow thread may replace it meanwhile
+            ready = known is not None and (known[0], known[1]) == (version, digest)
+            self._granted_prepared = known if ready else None
+            return _Grant(rank, "ok", None, version, digest, ready)
         if reply.outcome is Outcome.OLDER_DAEMON:
             self._warn_older(reply)
             return _Grant(rank, "older", reply.reason, None, None)
@@ -270,7 +316,16 @@ class StandbyGate:
             raise TypeError(f"decide() returned {decision!r}")
         from sglang_integration.engine.standby_metadata import update_changed_layers
 
-        changed = update_changed_layers(self.model_config, self.metadata, target, self.moe_ep_rank)
+        prepared = self.prepared
+        ready = None
+        if prepared is not None and (prepared[0], prepared[1]) == (version, digest):
+            ready = prepared[2]
+        changed = update_changed_layers(
+            self.model_config, self.metadata, target, self.moe_ep_rank, prepared=ready
+        )
+        self._adopted(version, digest, changed)
+
+    def _adopted(self, version: int, digest: str, changed: Sequence[int]) -> None:
         moved_from = self.session.version
         self.session.version, self.session.digest = version, digest
         if self.on_adopted is not None:
@@ -374,7 +429,7 @@ class StandbyGate:
         return gathered
 
     def _set_held(self) -> None:
-        with self._cond:
+        with self._lock:
             self.held = True
 
     # --- release -------------------------------------------------------------------------
@@ -386,13 +441,15 @@ class StandbyGate:
 
     def release_if_idle(self, now: float | None = None) -> bool:
         """Release this rank's lease when no forward pass ran for the idle time; True if it did."""
-        with self._cond:
-            now = time.monotonic() if now is None else now
-            if not self.held or self.in_forward or now - self.last_forward < self.idle_seconds:
-                return False
-            self.held = False
-        self._release_quietly()
-        self.releases += 1
+        with self._release_lock:
+            with self._lock:
+                now = time.monotonic() if now is None else now
+                idle = now - self.last_forward >= self.idle_seconds
+                if not self.held or self.in_forward or not idle:
+                    return False
+                self.held = False
+            self._release_quietly()
+            self.releases += 1
         logger.info(
             "standby ran no forward pass for %g s: released its lease (rank %d)",
             self.idle_seconds,
@@ -401,26 +458,53 @@ class StandbyGate:
         return True
 
     def _idle_loop(self) -> None:
-        while True:
-            with self._cond:
-                if self._closed:
-                    return
+        while not self._wake.is_set():
+            with self._lock:
                 if self.held and not self.in_forward:
                     wait = self.last_forward + self.idle_seconds - time.monotonic()
                 else:
-                    wait = self.idle_seconds
-                if wait > 0:
-                    self._cond.wait(wait)
-                    continue
+                    wait = min(self.idle_seconds, 1.0)
+            if wait > 0:
+                self._wake.wait(wait)  # a forward pass meanwhile only moves the deadline on
+                continue
             try:
                 self.release_if_idle()
             except Exception:  # the thread must outlive one failed release
                 logger.exception("releasing this standby's idle lease failed")
 
+    def _follow_loop(self) -> None:
+        """While this rank holds no lease, build the metadata of its daemon's newest map, so
+        that the next acquisition only copies it in (at most once every ``FOLLOW_INTERVAL``)."""
+        while not self._wake.wait(FOLLOW_INTERVAL):
+            if self.held:
+                continue
+            try:
+                self.prepare()
+            except Exception:  # a best effort: the acquisition builds it itself otherwise
+                logger.debug("preparing the standby's next layout failed", exc_info=True)
+
+    def prepare(self) -> bool:
+        """Build the metadata of the daemon's current map now (True: a new one was built)."""
+        from sglang_integration.engine.standby_metadata import prepare_metadata
+
+        layout = client.query(self.session.socket_path).layout
+        if layout is None or layout.dirty or layout.pending is not None:
+            return False
+        known = self.prepared
+        if known is not None and (known[0], known[1]) == (layout.version, layout.digest):
+            return False
+        if (layout.version, layout.digest) == (self.session.version, self.session.digest):
+            return False
+        if layout_digest(layout.physical_to_logical_map) != layout.digest:
+            return False
+        built = prepare_metadata(
+            self.model_config, self.metadata, layout.physical_to_logical_map, self.moe_ep_rank
+        )
+        self.prepared = (layout.version, layout.digest, built)
+        return True
+
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self._wake.set()
 
 
 class _ThisRank:

@@ -449,6 +449,7 @@ class _EngineRank:
                     "digest": layout.digest,
                     "map": [list(row) for row in layout.physical_to_logical_map],
                     "attached": list(layout.attached),
+                    "leases": list(layout.leases),
                     "pending": None
                     if layout.pending is None
                     else {
@@ -461,11 +462,39 @@ class _EngineRank:
         report["logs"] = self.capture.take()
         return report
 
-    def rebalance(self, count: int) -> dict[str, Any]:
+    def rebalance(self, count: int, in_forward: bool = False) -> dict[str, Any]:
+        """``count`` rebalances; ``in_forward``: each inside a forward pass through the plugin's
+        hook on ``ModelRunner.forward``, as sglang runs them (``on_forward_pass_end``), so a
+        standby takes its lease first."""
         for _ in range(count):
-            run_rebalances(self.manager, 1)
+            if in_forward:
+                self.forward(lambda: run_rebalances(self.manager, 1))
+            else:
+                run_rebalances(self.manager, 1)
             self.rebalances_run += 1
         return self.report()
+
+    def forward(self, inside: Callable[[], Any] | None = None) -> dict[str, Any]:
+        """One forward pass through the plugin's hook on ``ModelRunner.forward`` (a standby
+        takes its lease there); the pass itself meets the other ranks in a barrier, as the
+        model's collectives would, and runs ``inside`` (a rebalance) at its end."""
+        import types
+
+        from sglang.srt.runtime_context import get_parallel
+
+        from sglang_integration.engine import standby
+
+        def original(runner: Any) -> None:
+            get_parallel().world_group.barrier()
+            if inside is not None:
+                inside()
+
+        started = time.monotonic()
+        runner = types.SimpleNamespace(is_draft_worker=False, eplb_manager=self.manager)
+        standby.around_forward(original, runner)
+        report = self.report()
+        report["forward_seconds"] = time.monotonic() - started
+        return report
 
     def stop_between_chunks(self, count: int, channel: Connection) -> None:
         """``count`` whole rebalances, then one more that stops where its first chunk is committed
@@ -636,7 +665,11 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
             return
         try:
             if verb == "rebalance":
-                reply: dict[str, Any] = engine.rebalance(int(fields["count"]))
+                reply: dict[str, Any] = engine.rebalance(
+                    int(fields["count"]), bool(fields.get("in_forward", False))
+                )
+            elif verb == "forward":
+                reply = engine.forward()
             elif verb == "wait_alone":
                 reply = engine.wait_alone(float(fields["timeout"]))
             elif verb == "stop_between_chunks":
@@ -715,8 +748,14 @@ class CpuEngine:
             channel.send((verb, fields))
         return self._receive_all(wait, verb)
 
-    def rebalance(self, count: int, timeout: float = 180.0) -> list[dict[str, Any]]:
-        return self.ask("rebalance", timeout, count=count)
+    def forward(self, timeout: float = 180.0) -> list[dict[str, Any]]:
+        """One forward pass on every rank (a standby takes its lease first)."""
+        return self.ask("forward", timeout)
+
+    def rebalance(
+        self, count: int, timeout: float = 180.0, in_forward: bool = False
+    ) -> list[dict[str, Any]]:
+        return self.ask("rebalance", timeout, count=count, in_forward=in_forward)
 
     def wait_alone(self, timeout: float = 30.0) -> list[dict[str, Any]]:
         return self.ask("wait_alone", timeout + 10.0, timeout=timeout)

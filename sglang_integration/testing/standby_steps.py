@@ -45,6 +45,8 @@ def run_steps(steps: list[list[Any]], rank: int, report: dict[str, Any]) -> None
         elif kind == "release_now":
             if gate is not None:
                 gate.release_if_idle(now=float("inf"))
+        elif kind == "compare_update":
+            report["compare_update"] = _compare_update(gate, step[1], step[2])
         else:
             raise ValueError(f"unknown step {step!r}")
     report["gate"] = (
@@ -55,11 +57,44 @@ def run_steps(steps: list[list[Any]], rank: int, report: dict[str, Any]) -> None
             "agreed": gate.agreed,
             "acquisitions": gate.acquisitions,
             "local_acquisitions": gate.local_acquisitions,
+            "prepared_adoptions": gate.prepared_adoptions,
             "releases": gate.releases,
             "version": gate.session.version,
             "digest": gate.session.digest,
         }
     )
+
+
+def _compare_update(gate: Any, target: list[list[int]], layers: list[int]) -> dict[str, Any]:
+    """``copy_layers_in_place`` against sglang's own ``ExpertLocationMetadata.update``: the
+    same values in every field, and the same storage as before."""
+    import copy
+
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_integration.engine.metadata import metadata_from_map
+    from sglang_integration.engine.standby_metadata import UPDATED_FIELDS, copy_layers_in_place
+
+    current = get_global_expert_location_metadata()
+    rank = get_parallel().world_group.rank_in_group
+    model_config = gate.model_config
+    other = metadata_from_map(model_config, target, rank)
+    theirs, mine = copy.deepcopy(current), copy.deepcopy(current)
+    addresses = [
+        getattr(mine, n).data_ptr() for n in UPDATED_FIELDS if getattr(mine, n) is not None
+    ]
+    theirs.update(other, update_layer_ids=layers)
+    copy_layers_in_place(mine, other, layers)
+    same = all(
+        (getattr(mine, n) is None and getattr(theirs, n) is None)
+        or bool((getattr(mine, n) == getattr(theirs, n)).all())
+        for n in UPDATED_FIELDS
+    )
+    kept = addresses == [
+        getattr(mine, n).data_ptr() for n in UPDATED_FIELDS if getattr(mine, n) is not None
+    ]
+    return {"same": same, "kept": kept}
 
 
 def _forward(gate: Any) -> dict[str, Any]:

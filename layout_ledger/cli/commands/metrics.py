@@ -367,7 +367,7 @@ def _counters(
     for item in counted:
         commits.add_metric(_ledger_labels(item) + extra, float(item.commits))
         for kind in REFUSAL_KINDS:
-            if kind == ev.BEGIN_BUSY:
+            if kind in ev.BUSY_KINDS.values():  # busy is no refusal (a busy lease neither)
                 continue
             refusals.add_metric(
                 [*_ledger_labels(item), *extra, kind], float(item.refusals.get(kind, 0))
