@@ -119,7 +119,7 @@ def _repair_on_every_rank(
     monkeypatch.setattr(
         startup_repair.client,
         "repair",
-        lambda socket_path, engine_id, rows, fingerprints: by_socket[socket_path],
+        lambda socket_path, engine_id, rows, fingerprints, **_: by_socket[socket_path],
     )
     world = _ThreadWorld(len(replies))
     results: list[Any] = [None] * len(replies)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import socket
 import sqlite3
 from pathlib import Path
@@ -143,14 +144,19 @@ def test_status_says_running_only_while_the_daemon_runs_and_not_running_after_si
         assert status["sglang_version"] == installed_version("sglang") == "0.5.23"
         assert status["plugin_version"] is not None
         _, out, _ = run_cli(capsys, "status", ledger)
-        assert f"incarnation:         1 of 1 (started {status['started_at']}, running)\n" in out
+        # Issue 23 item 2: each time status shows says how long ago it was ("; 6 s ago").
+        started = re.escape(status["started_at"])
+        assert re.search(
+            rf"incarnation:         1 of 1 \(started {started}; [^,]* ago, running\)\n", out
+        )
         daemon.kill()  # SIGKILL: no clean end
         code, out, _ = run_cli(capsys, "status", ledger)
         assert code == exit_codes.NOT_RUNNING  # the layout itself is clean, its daemon gone
-        assert (
-            f"incarnation:         1 of 1 (started {status['started_at']}, not running, no "
-            "clean end recorded)\n"
-        ) in out
+        assert re.search(
+            rf"incarnation:         1 of 1 \(started {started}; [^,]* ago, not running, no clean "
+            r"end recorded\)\n",
+            out,
+        )
         assert json.loads(run_cli(capsys, "status", ledger, "--json")[1])["alive"] is False
     finally:
         daemon.kill()

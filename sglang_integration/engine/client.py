@@ -270,11 +270,16 @@ def _exchange(
     absent = _check_socket_node(socket_path)
     if absent is not None:
         return None, absent
+    # Import sglang's framing before connecting: a first import takes seconds, and the daemon
+    # drops a connection that sends no whole request within its deadline of the accept.
+    from sglang.srt.weight_cache.protocol import recv_msg, send_msg
+
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(timeout)
     try:
         conn.connect(socket_path)
-        raw = _send_and_receive(conn, wire)
+        send_msg(conn, wire)
+        raw = recv_msg(conn)
     except FileNotFoundError:
         conn.close()
         return None, Reply(Outcome.NO_DAEMON, f"no daemon socket at {socket_path}")
