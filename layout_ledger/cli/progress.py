@@ -10,6 +10,7 @@ names its phases (``phase``); a thread redraws the line, so a long phase still s
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -19,7 +20,18 @@ from typing import TextIO
 from layout_ledger.cli.parser import PROG
 from layout_ledger.cli.terminal import printable
 
+DELAY_ENV = "LAYOUT_LEDGER_PROGRESS_DELAY"  # seconds before the line shows; 0: at once
 DELAY_SECONDS = 1.0
+
+
+def _delay() -> float:
+    try:
+        seconds = float(os.environ.get(DELAY_ENV, DELAY_SECONDS))
+    except ValueError:
+        return DELAY_SECONDS
+    return seconds if 0 <= seconds < 3600 else DELAY_SECONDS
+
+
 REDRAW_SECONDS = 0.5
 _ERASE = "\r\x1b[K"
 
@@ -32,12 +44,12 @@ class Progress:
         command: str,
         stream: TextIO | None = None,
         *,
-        delay: float = DELAY_SECONDS,
+        delay: float | None = None,
         redraw: float = REDRAW_SECONDS,
     ) -> None:
         self.command = command
         self.stream = stream if stream is not None else sys.stderr
-        self.delay = delay
+        self.delay = _delay() if delay is None else delay
         self.redraw = redraw
         self.shown = False  # a line was drawn (and must be erased)
         self._text = "starting"
