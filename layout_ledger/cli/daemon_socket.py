@@ -11,14 +11,13 @@ with ``wire.protocol.Reply.from_wire``, as an engine reads it.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import socket
-import stat
 import struct
 from typing import Any
 
 from layout_ledger.wire.protocol import CordonRequest, Outcome, Reply, UncordonRequest
+from layout_ledger.wire.socket_node import socket_node_problem
 
 # Seconds for the connect, the send and the reply; the daemon answers within its own request
 # deadline (5 s by default).
@@ -44,17 +43,9 @@ def ask(
     a socket that is not there is ``NO_DAEMON``, one that cannot be read ``UNREACHABLE``)."""
     wire = request.to_wire()
     request_type: str = wire["type"]
-    try:
-        node = os.lstat(socket_path)
-    except FileNotFoundError:
-        return Reply(Outcome.NO_DAEMON, f"no daemon socket at {socket_path}")
-    except OSError as exc:
-        return Reply(Outcome.UNREACHABLE, f"cannot stat {socket_path}: {exc.strerror}")
-    if not stat.S_ISSOCK(node.st_mode) or node.st_uid != os.getuid():
-        return Reply(
-            Outcome.UNREACHABLE,
-            f"refusing to connect: {socket_path} is not a socket owned by this user",
-        )
+    problem = socket_node_problem(socket_path)
+    if problem is not None:
+        return problem
     data = pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:

@@ -18,9 +18,7 @@ daemon could not be read: connection refused, timeout, reset, not a socket owned
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import stat
 from collections.abc import Mapping, Sequence
 
 from layout_ledger.wire.protocol import (
@@ -37,6 +35,7 @@ from layout_ledger.wire.protocol import (
     RepairRequest,
     Reply,
 )
+from layout_ledger.wire.socket_node import socket_node_problem
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +266,7 @@ def _exchange(
     """Send one request and read one reply; return the connection too when ``keep_open``."""
     wire = request.to_wire()
     request_type: str = wire["type"]
-    absent = _check_socket_node(socket_path)
+    absent = socket_node_problem(socket_path)
     if absent is not None:
         return None, absent
     # Import sglang's framing before connecting: a first import takes seconds, and the daemon
@@ -321,19 +320,3 @@ def _unreadable(socket_path: str, request_type: str, exc: BaseException) -> Repl
         f"the daemon at {socket_path} sent an unreadable reply to {request_type}: "
         f"{type(exc).__name__}: {exc}",
     )
-
-
-def _check_socket_node(socket_path: str) -> Reply | None:
-    """The IPC loader's rule: connect only to a socket node owned by this user."""
-    try:
-        st = os.lstat(socket_path)
-    except FileNotFoundError:
-        return Reply(Outcome.NO_DAEMON, f"no daemon socket at {socket_path}")
-    except OSError as exc:
-        return Reply(Outcome.UNREACHABLE, f"cannot stat the daemon socket {socket_path}: {exc}")
-    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
-        return Reply(
-            Outcome.UNREACHABLE,
-            f"refusing to connect: {socket_path} is not a socket owned by this user",
-        )
-    return None
