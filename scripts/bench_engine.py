@@ -84,6 +84,8 @@ class _SglangClock:
     def __init__(self) -> None:
         self.spent = 0.0
         self.moves = 0
+        self.move_passes: list[float] = []  # the plugin's part of each pass with a move
+        self.other_passes: list[float] = []
 
     def wrap(self, owner: Any, name: str, *, move: bool = False) -> None:
         function = getattr(owner, name)
@@ -133,8 +135,10 @@ def _drive(
             ended = False
         except StopIteration:
             ended = True
-        current += (time.perf_counter() - started) - (clock.spent - spent)
+        this_pass = (time.perf_counter() - started) - (clock.spent - spent)
+        current += this_pass
         passes += 1
+        (clock.move_passes if clock.moves != moves else clock.other_passes).append(this_pass)
         if clock.moves != moves:
             chunks.append(current)
             current = 0.0
@@ -230,8 +234,10 @@ def _rank(job: RankJob, out: Connection) -> None:
     for _ in range(20):
         time.sleep(job.pass_seconds)
         idle_work.append(_python_work())
+    split: dict[str, list[float]] = {"move": [], "other": []}
     for round_index in range(job.rounds + 1):  # round 0 warms up (imports, the mode decision)
         for path in ("sglang", "plugin"):
+            clock.move_passes, clock.other_passes = [], []
             steps = (
                 original(manager)
                 if path == "sglang"
@@ -244,6 +250,9 @@ def _rank(job: RankJob, out: Connection) -> None:
                 get_global_expert_location_metadata().update(before, list(range(NUM_LAYERS)))
             if round_index == 0:
                 continue
+            if path == "plugin":
+                split["move"] += clock.move_passes
+                split["other"] += clock.other_passes
             measured[path]["chunks"].append(chunks)
             measured[path]["passes"].append(passes)
             measured[path]["work"].extend(work)
@@ -260,6 +269,7 @@ def _rank(job: RankJob, out: Connection) -> None:
             "idle_work": idle_work,
             "blocked": 0 if agent is None else agent.blocked,
             "agent_stages": {k: statistics.median(v) for k, v in agent_stages.items()},
+            "split": split,
             "committed": state.chunks_committed,
         }
     )
@@ -469,6 +479,12 @@ def report(measured: dict[Case, dict[str, Any]], rounds: int, pass_ms: float) ->
         stages = result["results"][0]["agent_stages"]
         parts = ", ".join(f"{name} {ms(value)}" for name, value in stages.items())
         lines.append(f"    {case.label}, rank 0's agent, medians: {parts}")
+        split = result["results"][0]["split"]
+        lines.append(
+            f"        rank 0's hook per pass, median / p99: the move's pass "
+            f"{_q(split['move'], 0.5)} / {_q(split['move'], 0.99)}, the others "
+            f"{_q(split['other'], 0.5)} / {_q(split['other'], 0.99)}"
+        )
     lines += [
         "",
         "(b) the main thread's Python work per pass, ms: no rebalance / sglang's / plugin's",
