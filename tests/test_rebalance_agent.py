@@ -1,11 +1,12 @@
 """The rebalance agent: a chunked rebalance's daemon round trips off the forward path.
 
 One engine of 2 real gloo rank processes (tests/test_rebalance_engine.py) on two real model-less
-daemons, rank 1's behind a relay that delays every begin, commit and abort reply by ``DELAY``
-(a slow daemon). Each rank drives its rebalances one forward pass at a time (a 1 ms sleep per
-pass, ``FORWARD_PASS_SECONDS``), timing each pass of the hook, and notes, with the system-wide
-monotonic clock, when each begin reply arrived, when each move ended and when each commit was
-sent. Then rank 0's agent is killed, and last the engine's session is closed.
+daemons, rank 1's behind a relay that holds every begin, commit and abort reply back ``DELAY``
+seconds (``testing.slow_relay``: a slow daemon). Each rank drives its rebalances one forward
+pass at a time (a 1 ms sleep per pass, ``FORWARD_PASS_SECONDS``), timing each pass of the hook,
+and notes, with the system-wide monotonic clock, when each begin reply arrived, when each move
+started and ended and when each commit was sent. Then rank 0's agent is killed, and last the
+engine's session is closed.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from test_updater_shared_experts import (
 )
 
 from sglang_integration.testing.cpu_engine import FORWARD_PASS_SECONDS
-from sglang_integration.testing.daemon_control import process_context
 from sglang_integration.testing.shared_experts import create_shared_experts
+from sglang_integration.testing.slow_relay import start_slow_relay
 
 DELAY = 0.4  # seconds each reply of rank 1's daemon is held back
 CHUNKS = 2
@@ -38,46 +39,6 @@ CHUNKS = 2
 
 class AgentKilled(BaseException):
     """Raised inside rank 0's agent (a bug there): not an ``Exception``, so nothing catches it."""
-
-
-def _delaying_relay(listen_path: str, upstream_path: str, delay: float, ready: Any) -> None:
-    """A byte-faithful relay to a real daemon that holds every begin, commit and abort reply
-    back for ``delay`` seconds; attach connections stay open both ways until the engine's EOF."""
-    import socket
-    import threading
-
-    from sglang.srt.weight_cache.protocol import recv_msg, send_msg
-
-    from layout_ledger.wire import protocol
-
-    slowed = {protocol.BEGIN, protocol.COMMIT, protocol.ABORT}
-
-    def relay(conn: socket.socket) -> None:
-        with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as upstream:
-            upstream.connect(upstream_path)
-            while True:
-                try:
-                    request = recv_msg(conn)
-                except ConnectionError:
-                    return
-                send_msg(upstream, request)
-                reply = recv_msg(upstream)
-                if request.get("type") in slowed:
-                    time.sleep(delay)
-                send_msg(conn, reply)
-                if request.get("type") == protocol.ATTACH:
-                    conn.settimeout(None)
-                    while conn.recv(4096):
-                        pass
-                    return
-
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(listen_path)
-    server.listen(16)
-    ready.set()
-    while True:
-        conn, _ = server.accept()
-        threading.Thread(target=relay, args=(conn,), daemon=True).start()
 
 
 class _Notes(logging.Handler):
@@ -218,16 +179,9 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]
     tmp_path = tmp_path_factory.mktemp("agent")
     context = engine_process_context()
     daemons = [start_layout_daemon(tmp_path, f"daemon{rank}") for rank in range(EP_SIZE)]
-    ready = process_context().Event()
     slow_socket = tmp_path / "slow1.sock"
-    relay = process_context().Process(
-        target=_delaying_relay,
-        args=(str(slow_socket), daemons[1].socket_path, DELAY, ready),
-        daemon=True,
-    )
-    relay.start()
+    relay = start_slow_relay(slow_socket, daemons[1].socket_path, DELAY)
     try:
-        assert ready.wait(60)
         model_dir = write_tiny_moe_config(tmp_path / "model", NUM_LAYERS, NUM_LOGICAL)
         expert_dir = tmp_path / "experts"
         for rank in range(EP_SIZE):

@@ -248,7 +248,7 @@ def _rebalance_two_phase(manager: Any, state: RebalanceState) -> Iterator[None]:
        otherwise any ``busy`` -> this rebalance stops and the next interval retries (the agent
        already aborted what its rank's begin left pending);
     3. the experts move with sglang's ``update_expert_location_with_recovery``, unchanged; a
-       device event is recorded after the move and handed to the agent with a copy of the map;
+       device event is recorded after the move and handed to the agent with the map;
     4. the agent waits for the event, commits the chunk's rows, all-gathers the replies and
        checks that every daemon recorded the same new version (base + 1) with the digest of
        this engine's own whole map (the daemon's digest is never trusted), then begins the next
@@ -315,7 +315,7 @@ def _rebalance_two_phase(manager: Any, state: RebalanceState) -> Iterator[None]:
                 base_version=state.version,  # type: ignore[arg-type]
                 layers=chunk,
                 landed=_moved_event(),
-                engine_map=_engine_map_copy(),
+                engine_map=_engine_map(),
                 next_layers=chunks[next_chunk] if next_chunk < len(chunks) else None,
             )
         )
@@ -398,6 +398,12 @@ def _report_abort_problem(begin: BeginOutcome, chunk: list[int]) -> None:
         )
 
 
+class _Device:
+    """This process's device kind, read once (``torch.device`` costs tens of microseconds)."""
+
+    kind: str | None = None
+
+
 def _moved_event() -> Any:
     """A device event recorded on the current stream after the move (None on a CPU).
 
@@ -405,21 +411,27 @@ def _moved_event() -> Any:
     so an event recorded there afterwards covers the moved bytes (``UPSTREAM_LINES``).
     """
     import torch
-    from sglang.srt.runtime_context import get_device
 
-    kind = torch.device(get_device().device).type
-    if kind == "cpu":
+    if _Device.kind is None:
+        from sglang.srt.runtime_context import get_device
+
+        _Device.kind = torch.device(get_device().device).type
+    if _Device.kind == "cpu":
         return None
-    event = torch.get_device_module(kind).Event()
+    event = torch.get_device_module(_Device.kind).Event()
     event.record()
     return event
 
 
-def _engine_map_copy() -> Any:
-    """A copy of the map this rank routes with, for the agent (the next move changes it)."""
+def _engine_map() -> Any:
+    """The map this rank routes with, for the agent to read after the move.
+
+    Not a copy: only sglang's move changes it, and the next move comes only after the agent's
+    result, which it publishes after it read the map (``RebalanceAgent._commit``).
+    """
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
-    return get_global_expert_location_metadata().physical_to_logical_map_cpu.clone()
+    return get_global_expert_location_metadata().physical_to_logical_map_cpu
 
 
 def _stand_down(state: RebalanceState, decision: BeginDecision) -> None:

@@ -14,7 +14,8 @@ thread per rank does them:
   when the chunk does not move, aborts its own begin as the rules say;
 - for a ``CommitJob`` (handed over right after the move) it waits until the moved bytes have
   landed (the device event recorded after the move; on a CPU the move is synchronous), builds
-  the rows and the whole-map digest from a copy of the engine's map, sends commit, all-gathers
+  the rows and the whole-map digest from the engine's map (no move changes it before this
+  job's result), sends commit, all-gathers
   and checks the replies (``check_commits``) and, when the check passed and a chunk follows,
   sends that chunk's begin at once;
 - every job ends with an agreement on the forward pass at which every rank uses its result:
@@ -192,7 +193,7 @@ class CommitJob:
     base_version: int
     layers: list[int]
     landed: Any  # the device event recorded after the move; None on a CPU
-    engine_map: Any  # a copy of the engine's physical_to_logical_map_cpu after the move
+    engine_map: Any  # the engine's physical_to_logical_map_cpu, unchanged until the result
     next_layers: list[int] | None = None
 
 

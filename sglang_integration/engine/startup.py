@@ -37,6 +37,7 @@ from layout_ledger.core.startup_verdict import (
 )
 from layout_ledger.wire.protocol import LayoutView, Outcome
 from sglang_integration.engine import client
+from sglang_integration.engine.rebalance_agent import create_group
 from sglang_integration.engine.startup_repair import StartupRank, read_content, settle
 from sglang_integration.settings import ROLE, ROLE_ACTIVE, ROLE_STANDBY, WAIT_TIMEOUT, content_check
 from sglang_integration.upstream_lines import UpstreamLine
@@ -197,6 +198,9 @@ def start_from_daemon_layout(
     world = _world_group()
     rank = world.rank_in_group
     engine_id = _shared_engine_id(world)
+    # The rebalance agents' own gloo group, after sglang's: made where the broadcast has just
+    # brought every rank together, so no rank waits long for another to join it.
+    create_group(world)
     initial_map = map_of(metadata)
     initial_digest = layout_digest(initial_map)
     this = StartupRank(
@@ -224,10 +228,6 @@ def start_from_daemon_layout(
         if attachment is not None:
             attachment.close()
         raise
-    from sglang_integration.engine.rebalance_agent import create_group
-
-    # The rebalance agents' own gloo group: made here, where every rank is, after sglang's.
-    create_group(world)
     local = int(metadata.num_local_physical_experts)
     session = EngineLayoutSession(
         engine_id=engine_id,
