@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +45,6 @@ from sglang_integration.engine import client
 from sglang_integration.testing.daemon_control import (
     DaemonProcess,
     EngineStandIn,
-    process_context,
     request,
     start_daemon,
 )
@@ -56,6 +54,7 @@ from sglang_integration.testing.shared_experts import (
     create_shared_experts,
     expert_values,
 )
+from sglang_integration.testing.slow_relay import RelayRule, start_relay
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -66,58 +65,16 @@ FORGED = "0" * 64
 # --- a relay that rewrites what a daemon answers ------------------------------------------------
 
 
-def _rewriting_relay(listen_path: str, upstream_path: str, kind: str, ready: Any) -> None:
-    """A byte-faithful relay to a real daemon (one thread per connection, each frame in turn, as
-    the daemon serves a kept connection) that rewrites only the
-    ``digest`` of ``ok`` replies to ``kind`` requests: the daemon records what it is sent and
-    reports another digest. Attach connections stay open both ways until the engine's EOF, so
-    the daemon sees the engine's presence as without the relay."""
-    from sglang.srt.weight_cache.protocol import recv_msg, send_msg
-
-    def relay(conn: socket.socket) -> None:
-        with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as upstream:
-            upstream.connect(upstream_path)
-            while True:  # an engine rank's kept connection carries one request after another
-                try:
-                    asked = recv_msg(conn)
-                except ConnectionError:
-                    return
-                send_msg(upstream, asked)
-                reply = recv_msg(upstream)
-                is_dict = isinstance(asked, dict) and isinstance(reply, dict)
-                if is_dict and asked.get("type") == kind and reply.get("status") == protocol.OK:
-                    reply = {**reply, "digest": FORGED}
-                send_msg(conn, reply)
-                if is_dict and asked.get("type") == protocol.ATTACH:
-                    conn.settimeout(None)
-                    while conn.recv(4096):
-                        pass
-                    return
-
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(listen_path)
-    server.listen(64)
-    ready.set()
-    while True:
-        conn, _ = server.accept()
-        threading.Thread(target=relay, args=(conn,), daemon=True).start()
-
-
 class Relays:
-    """Rewriting relays started in forkserver processes, killed on ``close``."""
+    """Relays that rewrite the ``digest`` of ``ok`` replies to one request type (the daemon
+    records what it is sent and reports another digest), killed on ``close``."""
 
     def __init__(self) -> None:
         self.processes: list[Any] = []
 
     def start(self, listen: Path, upstream: str, kind: str) -> SimpleNamespace:
-        context = process_context()
-        ready = context.Event()
-        process = context.Process(
-            target=_rewriting_relay, args=(str(listen), upstream, kind, ready), daemon=True
-        )
-        process.start()
-        self.processes.append(process)
-        assert ready.wait(60), "the relay did not start"
+        rule = RelayRule(forged=frozenset({kind}), forged_digest=FORGED)
+        self.processes.append(start_relay(listen, upstream, rule))
         return SimpleNamespace(socket_path=str(listen))
 
     def close(self) -> None:

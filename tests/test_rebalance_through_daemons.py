@@ -37,6 +37,7 @@ from test_updater_shared_experts import (
 )
 
 from layout_ledger.core.layout import layout_digest, trivial_map
+from layout_ledger.wire import protocol
 from sglang_integration.testing.daemon_control import (
     DaemonProcess,
     EngineStandIn,
@@ -48,6 +49,7 @@ from sglang_integration.testing.shared_experts import (
     create_shared_experts,
     read_physical_to_logical_map,
 )
+from sglang_integration.testing.slow_relay import RelayRule, start_relay
 
 INITIAL = trivial_map(NUM_LAYERS, SHAPE.num_physical_slots, NUM_LOGICAL)
 CHUNKS_PER_REBALANCE = 2
@@ -427,65 +429,18 @@ def test_a_refused_begin_turns_rebalancing_off_for_good_with_one_warning(story: 
 # ---------------------------------------------------------------- story 2 -------------------
 
 
-def _lying_proxy(listen_path: str, upstream_path: str, ready: Any) -> None:
-    """A daemon that records commits correctly but reports a wrong digest for them.
-
-    A byte-faithful relay to a real daemon, one thread per connection (each frame in turn, as
-    the daemon serves a kept connection), that rewrites only the ``digest`` of ``ok`` commit
-    replies. Attach connections stay open both ways until the
-    engine's EOF, so presence works as with the real daemon.
-    """
-    import socket
-    import threading
-
-    from sglang.srt.weight_cache.protocol import recv_msg, send_msg
-
-    from layout_ledger.wire import protocol
-
-    def relay(conn: socket.socket) -> None:
-        with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as upstream:
-            upstream.connect(upstream_path)
-            while True:  # an engine rank's kept connection carries one request after another
-                try:
-                    request = recv_msg(conn)
-                except ConnectionError:
-                    return
-                send_msg(upstream, request)
-                reply = recv_msg(upstream)
-                if request.get("type") == protocol.COMMIT and reply.get("status") == protocol.OK:
-                    reply = {**reply, "digest": "0" * 64}
-                send_msg(conn, reply)
-                if request.get("type") == protocol.ATTACH and reply.get("status") == protocol.OK:
-                    conn.settimeout(None)
-                    while conn.recv(4096):
-                        pass
-                    return
-
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(listen_path)
-    server.listen(16)
-    ready.set()
-    while True:
-        conn, _ = server.accept()
-        threading.Thread(target=relay, args=(conn,), daemon=True).start()
-
-
 @pytest.mark.timeout(300)
 def test_a_daemon_reporting_a_wrong_digest_stops_rebalancing_with_a_restart_error(
     tmp_path: Path,
 ) -> None:
     engine_process_context()  # start the sglang forkserver before the daemons use it
     daemons = [start_layout_daemon(tmp_path, f"daemon{rank}") for rank in range(EP_SIZE)]
-    context = process_context()
-    ready = context.Event()
     lying_socket = tmp_path / "lying1.sock"
-    proxy = context.Process(
-        target=_lying_proxy, args=(str(lying_socket), daemons[1].socket_path, ready), daemon=True
-    )
-    proxy.start()
+    # A daemon that records commits correctly but reports a wrong digest for them.
+    lying = RelayRule(forged=frozenset({protocol.COMMIT}))
+    proxy = start_relay(lying_socket, daemons[1].socket_path, lying)
     reports: dict[tuple[str, int], dict[str, Any]] = {}
     try:
-        assert ready.wait(60)
         plan = [("lie", 1), ("after", 1)]
         with engine_on_daemons(tmp_path, plan, [Path(daemons[0].socket_path), lying_socket]) as (
             _,
