@@ -16,7 +16,12 @@ wall time the median of --repeat runs:
     (half and all of --versions): verify must be linear in the rows (the ratio of the times
     near the ratio of the rows).
 
+With ``--beside DIR`` (an older tree's ``layout_ledger`` package under DIR, e.g. from ``git
+archive COMMIT layout_ledger | tar -x -C DIR``), ``status`` also runs with DIR first on
+``PYTHONPATH``: the older code beside today's, in the same run, on the same ledger.
+
   .venv/bin/python scripts/bench_cli.py [--versions 10000] [--repeat 5] [--dir DIR] [--quick]
+      [--beside DIR]
 """
 
 from __future__ import annotations
@@ -109,12 +114,19 @@ def _build_in_child(path: Path, versions: int) -> None:
         raise RuntimeError(f"building {path} failed (exit {child.exitcode})")
 
 
-def _timed(argv: list[str], repeat: int, ok: tuple[int, ...] = (0,)) -> float:
+def _timed(
+    argv: list[str],
+    repeat: int,
+    ok: tuple[int, ...] = (0,),
+    env: dict[str, str] | None = None,
+) -> float:
     """The median wall time of ``repeat`` runs of ``argv`` (after one warm-up run)."""
     times = []
     for attempt in range(repeat + 1):
         started = time.perf_counter()
-        done = subprocess.run(argv, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        done = subprocess.run(
+            argv, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+        )
         elapsed = time.perf_counter() - started
         if done.returncode not in ok:
             raise RuntimeError(f"{argv} exited {done.returncode}: {done.stderr.decode()[-500:]}")
@@ -146,6 +158,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="1,000 versions, 3 repeats")
+    parser.add_argument(
+        "--beside", type=Path, default=None, help="an older tree's layout_ledger, timed beside"
+    )
     args = parser.parse_args()
     if args.quick:
         args.versions, args.repeat = 1_000, 3
@@ -197,6 +212,15 @@ def main() -> int:
     )
     if not met:
         failures.append("status")
+    if args.beside is not None:
+        older = {**os.environ, "PYTHONPATH": str(args.beside.resolve())}
+        before = _timed([CLI, "status", str(full)], args.repeat, ok=(0, 6), env=older)
+        _line(
+            f"layout-ledger status, the tree in {args.beside.name}/",
+            before,
+            bare,
+            f"{before / plain:.1f}x the plain read; today's takes {took / before:.2f}x its time",
+        )
 
     print("\nverify (beside a plain sqlite3 read of every row it checks)")
     per_row = {}
