@@ -11,6 +11,7 @@ traceback; so does a bad argument.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -30,8 +31,21 @@ def _configure_logging() -> None:
 
 
 def _verb(command: str) -> Callable[[argparse.Namespace], int]:
-    """The chosen verb's ``run`` (its module imported now, and only it)."""
-    module = importlib.import_module(f"layout_ledger.cli.commands.{command}")
+    """The chosen verb's ``run`` (its module imported now, and only it).
+
+    The cyclic garbage collector is paused while the verb's modules import (SQLAlchemy's
+    among them: its passes over every new object cost a tenth of a ``status``,
+    scripts/bench_cli.py), and what they allocated is frozen, never traversed again (module
+    objects live as long as the process: ``metrics --serve`` and ``history --follow`` too).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        module = importlib.import_module(f"layout_ledger.cli.commands.{command}")
+    finally:
+        if was_enabled:
+            gc.enable()
+    gc.freeze()
     run: Callable[[argparse.Namespace], int] = module.run
     return run
 

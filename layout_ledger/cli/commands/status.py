@@ -44,7 +44,6 @@ from layout_ledger.store.rows import (
     map_at,
     reconstructible_from,
 )
-from layout_ledger.wire.protocol import pending_to_wire
 
 # Refusals make ``state: refusals`` (exit 4) only while the newest of them is this recent: a
 # refusal is a symptom to look at now, and a health check must not stay failed for the rest of
@@ -96,7 +95,7 @@ def _dirty_json(dirty: DirtyMark | None) -> JsonObject:
         "dirty_reason": None if dirty is None else dirty.reason,
         "dirty_move": None
         if dirty is None or dirty.move is None
-        else {**pending_to_wire(dirty.move), "at": dirty.at},
+        else {**(pending_wire(dirty.move) or {}), "at": dirty.at},
     }
 
 
