@@ -186,9 +186,13 @@ class BeginJob:
     layers: list[int]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CommitJob:
-    """Commit the chunk just moved; then, if the check passed, begin ``next_layers``."""
+    """Commit the chunk just moved; then, if the check passed, begin ``next_layers``.
+
+    Made on the forward path at a move, so a plain slotted class (a frozen dataclass's
+    ``__init__`` costs several microseconds more); the agent never changes it.
+    """
 
     base_version: int
     layers: list[int]
@@ -236,34 +240,43 @@ class RebalanceAgent:
         self.blocked = 0  # forward passes at which the main thread waited on this agent
         self.jobs_done = 0
         self._wait_landed = wait_landed or wait_until_landed
+        # The handoff, both ways, costs the forward path as little as it can: one C queue put
+        # (it wakes the agent) to hand a job over, one attribute the agent writes to publish its
+        # result. ``_published`` is set after each result, only for ``wait``; the main thread
+        # never clears it on the forward path (an Event's clear takes its Condition's lock).
         self._jobs: queue.SimpleQueue[BeginJob | CommitJob | None] = queue.SimpleQueue()
-        self._done = threading.Event()
+        self._published = threading.Event()
         self._result: AgentResult | None = None
+        self._running = True  # False once _run returned or raised
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     @property
     def alive(self) -> bool:
-        return self.failure is None and self._thread.is_alive()
+        return self.failure is None and self._running
 
     def submit(self, job: BeginJob | CommitJob) -> None:
         """Hand the agent its next job (the main thread, once it used the previous result)."""
-        self._done.clear()
         self._result = None
         self.deadline = None
         self._jobs.put(job)
 
     def result(self) -> AgentResult | None:
         """The last job's result once published, else None. Never waits."""
-        return self._result if self._done.is_set() else None
+        return self._result
 
     def wait(self) -> AgentResult | None:
         """Wait for the result (the agent passed its deadline); None if the agent died."""
         self.blocked += 1
-        while not self._done.wait(0.05):
+        while True:
+            result = self._result
+            if result is not None:
+                return result
             if not self.alive:
                 return None
-        return self._result
+            # Set after every result: a stale set only costs one more turn of this loop.
+            self._published.wait(0.05)
+            self._published.clear()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._jobs.put(None)
@@ -279,18 +292,20 @@ class RebalanceAgent:
             while True:
                 job = self._jobs.get()
                 if job is None:
+                    self._running = False
                     return
                 result = self._work(job)
-                self._result = result
                 self.jobs_done += 1
-                self._done.set()
+                self._result = result
+                self._published.set()
         except BaseException as exc:
             self.failure = f"{type(exc).__name__}: {exc}"
+            self._running = False
             logger.error("the rebalance agent of this engine rank failed", exc_info=True)
         else:
             return
         # Out of the handler, so that no traceback frame still holds the group's process group.
-        self._done.set()
+        self._published.set()
         self.group.destroy()
 
     def _work(self, job: BeginJob | CommitJob) -> AgentResult:
