@@ -67,6 +67,9 @@ MARGIN = 2
 # Seconds between two looks at the hand-over slot while a chunk's commit job is due (the agent
 # published a begin that moves): the move pass hands the job over without waking the thread.
 POLL_SECONDS = 0.0005
+# The margin adapts to the agent's measured latency (``_agree_on_target``), up to this many
+# passes; every rank uses the largest proposed, so all ranks still share one target.
+MAX_MARGIN = 8
 # The plugin group's collectives fail after this many seconds (a peer whose agent is gone).
 GROUP_TIMEOUT = 120.0
 
@@ -238,6 +241,7 @@ class RebalanceAgent:
         self.moves = moves
         self.group = group
         self.margin = margin
+        self._next_margin = margin  # the margin this agent proposes for its next job
         self.step = 0
         self.deadline: int | None = None
         self.failure: str | None = None
@@ -390,10 +394,23 @@ class RebalanceAgent:
         )
 
     def _agree_on_target(self) -> int:
+        """The pass at which every rank uses this job's result: the latest rank's counter plus the
+        largest margin any agent proposed. Each agent's deadline (its counter plus its own
+        margin) is at or before that target, so no rank is past it when the result arrives.
+
+        An agent proposes one pass more than the passes its last agreement took (at least
+        ``margin``, at most ``MAX_MARGIN``): an agreement that took its whole margin (its hook
+        waited, ``blocked``) widens the next one, a quick one narrows it again.
+        """
         here = self.step
-        self.deadline = here + self.margin
-        counters = self.group.all_gather(here)
-        return int(max(counters)) + self.margin
+        margin = self._next_margin
+        self.deadline = here + margin
+        gathered = self.group.all_gather((here, margin))
+        taken = self.step - here
+        self._next_margin = min(MAX_MARGIN, max(self.margin, taken + 1))
+        return int(max(counter for counter, _ in gathered)) + int(
+            max(proposed for _, proposed in gathered)
+        )
 
 
 def wait_until_landed(landed: Any) -> None:
