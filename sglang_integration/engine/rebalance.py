@@ -282,6 +282,12 @@ def _rebalance_two_phase(manager: Any, state: RebalanceState) -> Iterator[None]:
     all_layer_ids = [layer_id for chunk in chunks for layer_id in chunk]
     manager._log_rebalance_layout_before_update(new_metadata, update_layer_ids=all_layer_ids)
     moved: list[int] = []
+    # What the move pass needs, made here once: the move's arguments, the device event's
+    # maker, the map the agent reads (sglang's move updates it in place). The pass at which a
+    # chunk moves then only moves it and hands the agent its job.
+    move_arguments = _move_arguments(manager, new_metadata)
+    record_moved_event = _moved_event_recorder()
+    engine_map = _engine_map()
     agent.step = 0
     agent.submit(BeginJob(base_version, chunks[0]))
     next_chunk = 0
@@ -309,14 +315,14 @@ def _rebalance_two_phase(manager: Any, state: RebalanceState) -> Iterator[None]:
         # A failure inside the move propagates as in sglang: the daemons keep the move pending
         # and become dirty when this engine exits, which is right, since the bytes may be half
         # moved.
-        _move_experts(manager, new_metadata, chunk)
+        _move_experts(move_arguments, chunk)
         agent.submit(
             CommitJob(
-                base_version=state.version,  # type: ignore[arg-type]
-                layers=chunk,
-                landed=_moved_event(),
-                engine_map=_engine_map(),
-                next_layers=chunks[next_chunk] if next_chunk < len(chunks) else None,
+                state.version,  # type: ignore[arg-type]
+                chunk,
+                None if record_moved_event is None else record_moved_event(),
+                engine_map,
+                chunks[next_chunk] if next_chunk < len(chunks) else None,
             )
         )
     state.last_passes = agent.step
@@ -398,36 +404,35 @@ def _report_abort_problem(begin: BeginOutcome, chunk: list[int]) -> None:
         )
 
 
-class _Device:
-    """This process's device kind, read once (``torch.device`` costs tens of microseconds)."""
-
-    kind: str | None = None
-
-
-def _moved_event() -> Any:
-    """A device event recorded on the current stream after the move (None on a CPU).
+def _moved_event_recorder() -> Callable[[], Any] | None:
+    """What records a device event on the current stream after the move; None on a CPU (the
+    move is synchronous there, and the hook then hands the agent None).
 
     sglang's move waits for its P2P requests (``req.wait()``) and copies on the current stream,
     so an event recorded there afterwards covers the moved bytes (``UPSTREAM_LINES``).
     """
     import torch
+    from sglang.srt.runtime_context import get_device
 
-    if _Device.kind is None:
-        from sglang.srt.runtime_context import get_device
-
-        _Device.kind = torch.device(get_device().device).type
-    if _Device.kind == "cpu":
+    kind = torch.device(get_device().device).type
+    if kind == "cpu":
         return None
-    event = torch.get_device_module(_Device.kind).Event()
-    event.record()
-    return event
+    event_class = torch.get_device_module(kind).Event
+
+    def record() -> Any:
+        event = event_class()
+        event.record()
+        return event
+
+    return record
 
 
 def _engine_map() -> Any:
-    """The map this rank routes with, for the agent to read after the move.
+    """The map this rank routes with, for the agent to read after each move.
 
-    Not a copy: only sglang's move changes it, and the next move comes only after the agent's
-    result, which it publishes after it read the map (``RebalanceAgent._commit``).
+    Not a copy: only sglang's move changes it (in place: ``ExpertLocationMetadata.update``
+    assigns ``self_field[...]``), and the next move comes only after the agent's result, which
+    it publishes after it read the map (``RebalanceAgent._commit``).
     """
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
@@ -453,26 +458,36 @@ def _stand_down(state: RebalanceState, decision: BeginDecision) -> None:
         )
 
 
-def _move_experts(manager: Any, new_metadata: Any, chunk: list[int]) -> None:
-    """sglang's own move of the chunk's experts, with the arguments its rebalance passes."""
-    from sglang.srt.eplb import eplb_manager
+def _move_arguments(manager: Any, new_metadata: Any) -> dict[str, Any]:
+    """The arguments sglang's rebalance passes its move of a chunk, but the chunk's layers.
+
+    Made once per rebalance: sglang reads the same getters per chunk, and nothing they return
+    changes between the chunks of one rebalance (the model, its updater, the backup client,
+    the weight updater, the dispatch algorithm, the tensor-parallel rank).
+    """
     from sglang.srt.model_executor.model_runner_components.moe_ep_setup import (
         init_lplb_solvers,
     )
     from sglang.srt.runtime_context import get_exec, get_parallel
 
-    eplb_manager.update_expert_location_with_recovery(
-        expert_location_updater=manager._get_expert_location_updater(),
-        model=manager._get_model(),
-        new_expert_location_metadata=new_metadata,
-        update_layer_ids=chunk,
-        tp_rank=get_parallel().tp_rank,
-        use_flat_topology=False,
-        expert_backup_client=manager._get_expert_backup_client(),
-        update_weights_from_disk_callable=manager._get_weight_updater().update_weights_from_disk,
-        ep_dispatch_algorithm=get_exec().moe.ep_dispatch_algorithm,
-        init_lplb_solvers_callable=lambda: init_lplb_solvers(model_config=manager._model_config),
-    )
+    return {
+        "expert_location_updater": manager._get_expert_location_updater(),
+        "model": manager._get_model(),
+        "new_expert_location_metadata": new_metadata,
+        "tp_rank": get_parallel().tp_rank,
+        "use_flat_topology": False,
+        "expert_backup_client": manager._get_expert_backup_client(),
+        "update_weights_from_disk_callable": manager._get_weight_updater().update_weights_from_disk,
+        "ep_dispatch_algorithm": get_exec().moe.ep_dispatch_algorithm,
+        "init_lplb_solvers_callable": lambda: init_lplb_solvers(model_config=manager._model_config),
+    }
+
+
+def _move_experts(move_arguments: dict[str, Any], chunk: list[int]) -> None:
+    """sglang's own move of the chunk's experts, with the arguments its rebalance passes."""
+    from sglang.srt.eplb import eplb_manager
+
+    eplb_manager.update_expert_location_with_recovery(update_layer_ids=chunk, **move_arguments)
 
 
 def _all_gather(value: Any) -> list[Any]:
