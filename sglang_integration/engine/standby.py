@@ -578,6 +578,17 @@ def install_gate(
     return gate
 
 
+def lease_until_not_busy(socket_path: str, engine_id: str, timeout: float) -> Reply:
+    """``expert_layout_lease`` asked for again while the daemon answers ``busy`` (a move
+    pending), for at most ``timeout`` seconds; the last reply."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = client.lease(socket_path, engine_id)
+        if reply.outcome is not Outcome.BUSY or time.monotonic() >= deadline:
+            return reply
+        time.sleep(POLL_INTERVAL)
+
+
 def lease_at_startup(
     socket_path: str, engine_id: str, attach_reply: Reply, layout: Any, timeout: float
 ) -> Any:
@@ -589,12 +600,7 @@ def lease_at_startup(
 
     if reply_role(attach_reply.body) != ROLE_STANDBY or layout.dirty:
         return None
-    deadline = time.monotonic() + timeout
-    while True:
-        reply = client.lease(socket_path, engine_id)
-        if reply.outcome is not Outcome.BUSY or time.monotonic() >= deadline:
-            break
-        time.sleep(POLL_INTERVAL)
+    lease_until_not_busy(socket_path, engine_id, timeout)
     queried = client.query(socket_path)
     return queried.layout if queried.ok else None
 
@@ -643,12 +649,7 @@ def start_standby(
     if session.role == ROLE_STANDBY:
         from sglang_integration.settings import WAIT_TIMEOUT
 
-        deadline = time.monotonic() + WAIT_TIMEOUT.read()
-        while True:
-            reply = client.lease(session.socket_path, session.engine_id)
-            if reply.outcome is not Outcome.BUSY or time.monotonic() >= deadline:
-                break
-            time.sleep(POLL_INTERVAL)
+        reply = lease_until_not_busy(session.socket_path, session.engine_id, WAIT_TIMEOUT.read())
         if not reply.ok:
             raise ExpertLayoutStartupError(
                 f"this engine runs as an active engine on its daemons, but the daemon at "
