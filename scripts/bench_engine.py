@@ -276,6 +276,26 @@ def _rank(job: RankJob, out: Connection) -> None:
     engine_startup.close_session()
 
 
+def time_calls(
+    owner: Any,
+    name: str,
+    record: Callable[[Any], None],
+    clock: Callable[[], Any] = time.perf_counter,
+) -> None:
+    """Replace ``owner.name`` by a wrapper that passes each call's duration (by ``clock``) to
+    ``record``."""
+    function = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = clock()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            record(clock() - started)
+
+    setattr(owner, name, wrapper)
+
+
 def _timed_agent_stages() -> dict[str, list[float]]:
     """Time what the rank's agent does (on its thread): requests, all-gathers, digest."""
     from sglang_integration.engine import client, rebalance_agent
@@ -283,16 +303,7 @@ def _timed_agent_stages() -> dict[str, list[float]]:
     stages: dict[str, list[float]] = {}
 
     def timed(owner: Any, name: str, label: str) -> None:
-        function = getattr(owner, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                stages.setdefault(label, []).append(time.perf_counter() - started)
-
-        setattr(owner, name, wrapper)
+        time_calls(owner, name, stages.setdefault(label, []).append)
 
     timed(client.LayoutConnection, "begin", "begin request")
     timed(client.LayoutConnection, "commit", "commit request")

@@ -32,16 +32,8 @@ PROFILE = {"on": False, "stats": None}
 
 
 def _timed(owner: Any, name: str, label: str) -> None:
-    function = getattr(owner, name)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter_ns()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            PIECES.setdefault(label, []).append(time.perf_counter_ns() - started)
-
-    setattr(owner, name, wrapper)
+    record = PIECES.setdefault(label, []).append
+    bench_engine.time_calls(owner, name, record, clock=time.perf_counter_ns)
 
 
 def _drive(
