@@ -19,13 +19,14 @@ thread per rank does them:
   and checks the replies (``check_commits``) and, when the check passed and a chunk follows,
   sends that chunk's begin at once;
 - every job ends with an agreement on the forward pass at which every rank uses its result:
-  the agents all-gather their rank's pass counter and take ``max + MARGIN`` (``target``).
+  the agents all-gather their rank's pass counter and proposed margin and take
+  ``max(counters) + max(margins)`` (``target``; the margin: ``rebalance_margin``).
 
 The main thread (``rebalance``) polls ``result()`` once per forward pass and yields while no
 result is there or its target pass has not come, so every rank moves a chunk at the same pass
 (sglang's move is a collective). It never waits on a daemon: a slow daemon only delays the
-pass at which the chunk moves. It waits on the agent only if the agent took more than
-``MARGIN`` passes from reading its counter to publishing the agreed target (``deadline``), which
+pass at which the chunk moves. It waits on the agent only if the agent took more than its
+margin's passes from reading its counter to publishing the agreed target (``deadline``), which
 keeps every rank at or before the target; ``blocked`` counts those waits.
 
 An agent that fails (a bug, a collective that failed because a peer's agent died) publishes
@@ -56,20 +57,15 @@ from sglang_integration.engine.rebalance_decisions import (
     check_commits,
     decide_begin,
 )
+from sglang_integration.engine.rebalance_margin import MarginPolicy
 from sglang_integration.engine.reply_gather import all_gather_small
 
 logger = logging.getLogger(__name__)
 
 THREAD_NAME = "expert-layout-rebalance-agent"
-# Forward passes between the latest rank's counter and the pass at which every rank uses a
-# result; the agent has that many passes from reading its counter to publishing the target.
-MARGIN = 2
 # Seconds between two looks at the hand-over slot while a chunk's commit job is due (the agent
 # published a begin that moves): the move pass hands the job over without waking the thread.
 POLL_SECONDS = 0.0005
-# The margin adapts to the agent's measured latency (``_agree_on_target``), up to this many
-# passes; every rank uses the largest proposed, so all ranks still share one target.
-MAX_MARGIN = 8
 # The plugin group's collectives fail after this many seconds (a peer whose agent is gone).
 GROUP_TIMEOUT = 120.0
 
@@ -235,13 +231,13 @@ class RebalanceAgent:
         self,
         moves: RankLayoutClient,
         group: PluginGroup,
-        margin: int = MARGIN,
+        margins: MarginPolicy | None = None,
         wait_landed: Callable[[Any], None] | None = None,
     ) -> None:
         self.moves = moves
         self.group = group
-        self.margin = margin
-        self._next_margin = margin  # the margin this agent proposes for its next job
+        # The margin this agent proposes at each agreement (``rebalance_margin``).
+        self.margins = margins or MarginPolicy()
         self.step = 0
         self.deadline: int | None = None
         self.failure: str | None = None
@@ -398,16 +394,14 @@ class RebalanceAgent:
         largest margin any agent proposed. Each agent's deadline (its counter plus its own
         margin) is at or before that target, so no rank is past it when the result arrives.
 
-        An agent proposes one pass more than the passes its last agreement took (at least
-        ``margin``, at most ``MAX_MARGIN``): an agreement that took its whole margin (its hook
-        waited, ``blocked``) widens the next one, a quick one narrows it again.
+        Each agent proposes its own margin from the passes its recent agreements took
+        (``rebalance_margin.MarginPolicy``), so ranks may propose different ones.
         """
         here = self.step
-        margin = self._next_margin
+        margin = self.margins.propose()
         self.deadline = here + margin
         gathered = self.group.all_gather((here, margin))
-        taken = self.step - here
-        self._next_margin = min(MAX_MARGIN, max(self.margin, taken + 1))
+        self.margins.taken(self.step - here)
         return int(max(counter for counter, _ in gathered)) + int(
             max(proposed for _, proposed in gathered)
         )
