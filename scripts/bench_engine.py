@@ -62,6 +62,11 @@ MOE_LAYERS = list(range(FIRST_MOE_LAYER, NUM_LAYERS))
 SLOW_DELAY = 0.050
 GOAL_MEDIAN_MS, GOAL_P99_MS, GOAL_START_MS = 0.1, 0.5, 50.0
 PYTHON_WORK = 2000  # iterations of the per-pass Python work (about 0.1 ms)
+# The paths around the same move: sglang's own, the plugin's, and (``--agent-policy-ab``) the
+# plugin's with its agent thread scheduled as any other thread (``SCHED_OTHER``), not
+# ``SCHED_BATCH`` (``rebalance_agent.yield_to_the_forward_path``).
+OTHER_POLICY = "plugin, agent SCHED_OTHER"
+PATHS = ("sglang", "plugin", OTHER_POLICY)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class RankJob:
     rounds: int
     layers_per_chunk: int
     pass_seconds: float
+    agent_policy_ab: bool
 
 
 _SCHEDSTAT: dict[int, int] = {}  # thread id -> its open /proc/thread-self/schedstat
@@ -132,16 +138,17 @@ class Spent:
     collector: float = 0.0
 
     @staticmethod
-    def start() -> Spent:
-        """Now, the wall clock read last (what the other reads cost is not in the span)."""
-        runqueue, cpu = _run_delay(), time.thread_time()
+    def read(*, wall_first: bool) -> Spent:
+        """Now. Reading the CPU time and the run delay are system calls, at whose exit a thread
+        may be preempted; the wall clock is not. A span measured for its wall time reads the
+        others outside it (a span's start with ``wall_first=False``, its end with True), so its
+        wall time holds no system call of the measure; the split of (a2) then misplaces at
+        most a wait at the edge of a span."""
+        if wall_first:
+            wall = time.perf_counter()
+            return Spent(wall, time.thread_time(), _run_delay(), _MainThreadCollections.seconds)
+        cpu, runqueue = time.thread_time(), _run_delay()
         return Spent(time.perf_counter(), cpu, runqueue, _MainThreadCollections.seconds)
-
-    @staticmethod
-    def end() -> Spent:
-        """Now, the wall clock read first."""
-        wall = time.perf_counter()
-        return Spent(wall, time.thread_time(), _run_delay(), _MainThreadCollections.seconds)
 
     def since(self, start: Spent) -> Spent:
         return Spent(
@@ -174,11 +181,11 @@ class _SglangClock:
         function = getattr(owner, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            started = Spent.end()  # the reads inside this call's span: sglang's time
+            started = Spent.read(wall_first=True)  # its reads in its span: subtracted with it
             try:
                 return function(*args, **kwargs)
             finally:
-                self.spent.add(Spent.start().since(started))
+                self.spent.add(Spent.read(wall_first=False).since(started))
                 if move:
                     self.moves += 1
 
@@ -191,17 +198,20 @@ class _Model:
     routed_experts_weights_of_layer = dict.fromkeys(MOE_LAYERS)
 
 
-def _python_work() -> float:
-    started = time.perf_counter()
+def _python_work() -> tuple[float, float]:
+    """The main thread's fixed Python work of a pass: its wall time, and what of it was neither
+    this thread's CPU time nor a wait for a CPU (a wait for the GIL, which the agent holds)."""
+    started = Spent.read(wall_first=False)
     total = 0
     for value in range(PYTHON_WORK):
         total += value * value
-    return time.perf_counter() - started
+    spent = Spent.read(wall_first=True).since(started)
+    return spent.wall, spent.wall - spent.cpu - spent.runqueue
 
 
 def _drive(
     steps: Iterator[None], clock: _SglangClock, pass_seconds: float, world: Any
-) -> tuple[list[Spent], int, list[float]]:
+) -> tuple[list[Spent], int, list[tuple[float, float]]]:
     """One rebalance, one forward pass at a time: what each chunk adds, the passes, the work.
 
     A forward pass is collective in an engine (its MoE all-to-alls), so here each ends with a
@@ -209,17 +219,17 @@ def _drive(
     chunks: list[Spent] = []
     current = Spent()
     passes = 0
-    work: list[float] = []
+    work: list[tuple[float, float]] = []
     while True:
         spent = copy.copy(clock.spent)
         moves = clock.moves
-        started = Spent.start()
+        started = Spent.read(wall_first=False)
         try:
             next(steps)
             ended = False
         except StopIteration:
             ended = True
-        this_pass = Spent.end().since(started).minus(clock.spent.minus(spent))
+        this_pass = Spent.read(wall_first=True).since(started).minus(clock.spent.minus(spent))
         current.add(this_pass)
         passes += 1
         (clock.move_passes if clock.moves != moves else clock.other_passes).append(this_pass.wall)
@@ -314,8 +324,9 @@ def _rank(job: RankJob, out: Connection) -> None:
     ):
         clock.wrap(manager, name)
     original = EPLBManager.rebalance
+    paths = PATHS if job.agent_policy_ab else PATHS[:2]
     measured: dict[str, dict[str, list[Any]]] = {
-        path: {"chunks": [], "passes": [], "work": []} for path in ("sglang", "plugin")
+        path: {"chunks": [], "passes": [], "work": [], "blocked": []} for path in paths
     }
     idle_work = []
     for _ in range(20):
@@ -323,8 +334,12 @@ def _rank(job: RankJob, out: Connection) -> None:
         idle_work.append(_python_work())
     split: dict[str, list[float]] = {"move": [], "other": []}
     for round_index in range(job.rounds + 1):  # round 0 warms up (imports, the mode decision)
-        for path in ("sglang", "plugin"):
+        for path in paths:
             clock.move_passes, clock.other_passes = [], []
+            agent = rebalance.rebalance_state(manager).agent
+            blocked = 0 if agent is None else agent.blocked
+            if path == OTHER_POLICY:
+                _agent_policy(agent, os.SCHED_OTHER)
             steps = (
                 original(manager)
                 if path == "sglang"
@@ -335,6 +350,9 @@ def _rank(job: RankJob, out: Connection) -> None:
             chunks, passes, work = _drive(steps, clock, job.pass_seconds, world_group)
             if path == "sglang":  # the daemons never saw it: back to the map they hold
                 get_global_expert_location_metadata().update(before, list(range(NUM_LAYERS)))
+            agent = rebalance.rebalance_state(manager).agent
+            if path == OTHER_POLICY:
+                _agent_policy(agent, os.SCHED_BATCH)
             if round_index == 0:
                 continue
             if path == "plugin":
@@ -345,6 +363,7 @@ def _rank(job: RankJob, out: Connection) -> None:
             )
             measured[path]["passes"].append(passes)
             measured[path]["work"].extend(work)
+            measured[path]["blocked"].append((0 if agent is None else agent.blocked) - blocked)
     state = rebalance.rebalance_state(manager)
     if state.stopped_reason is not None:
         raise RuntimeError(f"rank {rank}: rebalancing stopped: {state.stopped_reason}")
@@ -356,13 +375,19 @@ def _rank(job: RankJob, out: Connection) -> None:
             "stages": stages,
             "measured": measured,
             "idle_work": idle_work,
-            "blocked": 0 if agent is None else agent.blocked,
             "agent_stages": {k: statistics.median(v) for k, v in agent_stages.items()},
             "split": split,
             "committed": state.chunks_committed,
         }
     )
     engine_startup.close_session()
+
+
+def _agent_policy(agent: Any, policy: int) -> None:
+    """Set the scheduling policy of the rank's agent thread (the A/B of ``--agent-policy-ab``)."""
+    if agent is None:
+        raise RuntimeError("no rebalance agent to set the scheduling policy of")
+    os.sched_setscheduler(agent.native_id, policy, os.sched_param(0))
 
 
 def time_calls(
@@ -473,7 +498,9 @@ class Case:
         return f"EP {self.ep}, {chunking}, daemon {'+50 ms' if self.slow else 'as is'}"
 
 
-def run(case: Case, rounds: int, pass_seconds: float, workdir: Path) -> dict[str, Any]:
+def run(
+    case: Case, rounds: int, pass_seconds: float, workdir: Path, agent_policy_ab: bool = False
+) -> dict[str, Any]:
     name = f"ep{case.ep}-{case.layers_per_chunk}-{int(case.slow)}"
     model_dir = write_tiny_moe_config(workdir / f"model-{name}", NUM_LAYERS, NUM_LOGICAL)
     daemons = [
@@ -512,6 +539,7 @@ def run(case: Case, rounds: int, pass_seconds: float, workdir: Path) -> dict[str
                     rounds,
                     case.layers_per_chunk,
                     pass_seconds,
+                    agent_policy_ab,
                 ),
             ),
         )
@@ -521,22 +549,32 @@ def run(case: Case, rounds: int, pass_seconds: float, workdir: Path) -> dict[str
         for daemon in daemons:
             daemon.stop()
     summary: dict[str, Any] = {"results": results}
-    for path in ("sglang", "plugin"):
+    for path in results[0]["measured"]:
         per_rank = [r["measured"][path]["chunks"] for r in results]
         slowest = [
             max(values)  # by wall time; with that rank's CPU time and wait for a CPU
             for rounds_of_ranks in zip(*per_rank, strict=True)
             for values in zip(*rounds_of_ranks, strict=True)
         ]
-        # The first chunk of each rebalance also holds what is done once per rebalance (the
-        # hook's set-up): reported apart, so that the per-chunk figures are the chunks' own.
-        chunks_per_rebalance = len(per_rank[0][0])
-        firsts = [
-            each[0] for index, each in enumerate(slowest) if index % chunks_per_rebalance == 0
+        # The first and the last chunk of each rebalance also hold what is done once per
+        # rebalance (the set-up before the first move; the passes after the last one, to the
+        # end and its log line): reported apart, so that the per-chunk figures are the chunks'
+        # own. A rebalance of one or two chunks is kept whole.
+        per_rebalance = len(per_rank[0][0])
+
+        def at_an_end(index: int, per_rebalance: int = per_rebalance) -> bool:
+            return per_rebalance > 2 and index % per_rebalance in (0, per_rebalance - 1)
+
+        firsts = [each[0] for index, each in enumerate(slowest) if index % per_rebalance == 0]
+        lasts = [
+            each[0]
+            for index, each in enumerate(slowest)
+            if index % per_rebalance == per_rebalance - 1
         ]
-        slowest = [each for index, each in enumerate(slowest) if index % chunks_per_rebalance]
+        slowest = [each for index, each in enumerate(slowest) if not at_an_end(index)]
         summary[path] = {
             "first": firsts,
+            "last": lasts,
             "chunks": [wall for wall, _, _, _ in slowest],
             "cpu": [cpu for _, cpu, _, _ in slowest],
             "collector": [collector for _, _, _, collector in slowest],
@@ -546,10 +584,12 @@ def run(case: Case, rounds: int, pass_seconds: float, workdir: Path) -> dict[str
                 max(values)
                 for values in zip(*(r["measured"][path]["passes"] for r in results), strict=True)
             ),
-            "work": [w for r in results for w in r["measured"][path]["work"]],
+            "work": [w for r in results for w, _ in r["measured"][path]["work"]],
+            "work_gil": [g for r in results for _, g in r["measured"][path]["work"]],
+            "blocked": sum(b for r in results for b in r["measured"][path]["blocked"]),
         }
-    summary["idle_work"] = [w for r in results for w in r["idle_work"]]
-    summary["blocked"] = sum(r["blocked"] for r in results)
+    summary["idle_work"] = [w for r in results for w, _ in r["idle_work"]]
+    summary["idle_work_gil"] = [g for r in results for _, g in r["idle_work"]]
     return summary
 
 
@@ -573,7 +613,7 @@ def report(measured: dict[Case, dict[str, Any]], rounds: int, pass_ms: float) ->
         f"{rounds} rebalances per path, a forward pass = {pass_ms:g} ms sleep + Python work",
         "",
         "(a) forward-path time per chunk beyond sglang's own calls, ms (the slowest rank's; each",
-        "    rebalance's first chunk apart, in (a1))",
+        "    rebalance's first and last chunk apart, in (a1))",
         f"    {'case':38s} {'sglang med':>10s} {'sglang p99':>10s} {'plugin med':>10s}"
         f" {'plugin p99':>10s} {'added med':>9s} {'added p99':>9s}"
         f" {'passes sglang/plugin':>21s} {'blocked':>7s}  goal",
@@ -587,14 +627,29 @@ def report(measured: dict[Case, dict[str, Any]], rounds: int, pass_ms: float) ->
         lines.append(
             f"    {case.label:38s} {ms(s_med):>10s} {ms(s99):>10s} {ms(p_med):>10s} {ms(p99):>10s}"
             f" {ms(added):>9s} {ms(added99):>9s} {sglang['passes']:>10g} / {plugin['passes']:<8g} "
-            f"{result['blocked']:>7d}  {'met' if met else 'not met'}"
+            f"{plugin['blocked']:>7d}  {'met' if met else 'not met'}"
         )
-    lines += ["", "(a1) the first chunk of each rebalance (with the once-per-rebalance set-up), ms"]
+        other = result.get(OTHER_POLICY)
+        if other is not None:
+            o_med, o99 = statistics.median(other["chunks"]), _pct(other["chunks"], 0.99)
+            lines.append(
+                f"    {'  the same, agent SCHED_OTHER':38s} {'':>10s} {'':>10s} {ms(o_med):>10s}"
+                f" {ms(o99):>10s} {ms(o_med - s_med):>9s} {ms(o99 - s99):>9s}"
+                f" {'':>10s} / {other['passes']:<8g} {other['blocked']:>7d}"
+            )
+    lines += [
+        "",
+        "(a1) the first and the last chunk of each rebalance (with what is done once per",
+        "     rebalance), median / max, ms",
+    ]
     for case, result in measured.items():
+        sglang, plugin = result["sglang"], result["plugin"]
         lines.append(
-            f"    {case.label:38s} median sglang {_q(result['sglang']['first'], 0.5)}, "
-            f"plugin {_q(result['plugin']['first'], 0.5)}; max sglang "
-            f"{_q(result['sglang']['first'], 1.0)}, plugin {_q(result['plugin']['first'], 1.0)}"
+            f"    {case.label:38s} first: sglang {_q(sglang['first'], 0.5)} / "
+            f"{_q(sglang['first'], 1.0)}, plugin {_q(plugin['first'], 0.5)} / "
+            f"{_q(plugin['first'], 1.0)}; last: sglang {_q(sglang['last'], 0.5)} / "
+            f"{_q(sglang['last'], 1.0)}, plugin {_q(plugin['last'], 0.5)} / "
+            f"{_q(plugin['last'], 1.0)}"
         )
     lines += [
         "",
@@ -636,6 +691,9 @@ def report(measured: dict[Case, dict[str, Any]], rounds: int, pass_ms: float) ->
         lines.append(
             f"    {case.label:38s} median {_q(idle, 0.5)} / {_q(s_work, 0.5)} / {_q(p_work, 0.5)}"
             f"   p99 {_q(idle, 0.99)} / {_q(s_work, 0.99)} / {_q(p_work, 0.99)}"
+            f"   neither CPU nor a wait for one (the GIL), p99 {_q(result['idle_work_gil'], 0.99)}"
+            f" / {_q(result['sglang']['work_gil'], 0.99)}"
+            f" / {_q(result['plugin']['work_gil'], 0.99)}"
         )
     lines += ["", "(c) engine start through the plugin, by stage (slowest rank), ms"]
     seen = set()
@@ -667,6 +725,11 @@ def main() -> int:
     parser.add_argument("--pass-ms", type=float, default=5.0)
     parser.add_argument("--no-slow", action="store_true", help="skip the slowed daemons")
     parser.add_argument(
+        "--agent-policy-ab",
+        action="store_true",
+        help="also run the plugin with its agent thread scheduled as any other (SCHED_OTHER)",
+    )
+    parser.add_argument(
         "--chunking",
         choices=("both", "all", "one"),
         default="both",
@@ -686,7 +749,10 @@ def main() -> int:
         ]
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        measured = {case: run(case, args.rounds, args.pass_ms / 1e3, Path(tmp)) for case in cases}
+        measured = {
+            case: run(case, args.rounds, args.pass_ms / 1e3, Path(tmp), args.agent_policy_ab)
+            for case in cases
+        }
     print(report(measured, args.rounds, args.pass_ms))
     return 0
 

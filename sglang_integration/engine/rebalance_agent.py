@@ -264,6 +264,11 @@ class RebalanceAgent:
         self._thread.start()
 
     @property
+    def native_id(self) -> int | None:
+        """The kernel's id of the agent's thread (its scheduling policy is set by it)."""
+        return self._thread.native_id
+
+    @property
     def alive(self) -> bool:
         return self.failure is None and self._running
 
@@ -308,6 +313,7 @@ class RebalanceAgent:
     # --- on the agent's thread -------------------------------------------------------------
 
     def _run(self) -> None:
+        yield_to_the_forward_path()
         try:
             while True:
                 job = self._next_job()
@@ -405,6 +411,23 @@ class RebalanceAgent:
         return int(max(counter for counter, _ in gathered)) + int(
             max(proposed for _, proposed in gathered)
         )
+
+
+def yield_to_the_forward_path() -> None:
+    """Make the calling thread (the agent's) ``SCHED_BATCH``: the kernel never lets it preempt
+    a running thread when it wakes (the main thread in a forward pass's hook, say, when the
+    agent's poll of the hand-over slot or a daemon's reply wakes it), while it keeps its fair
+    share of the CPU. Allowed without privileges on Linux; elsewhere nothing changes."""
+    import os
+
+    set_scheduler = getattr(os, "sched_setscheduler", None)
+    batch = getattr(os, "SCHED_BATCH", None)
+    if set_scheduler is None or batch is None:
+        return
+    try:
+        set_scheduler(0, batch, os.sched_param(0))  # 0: the calling thread
+    except OSError as exc:
+        logger.debug("the rebalance agent keeps its scheduling policy: %s", exc)
 
 
 def wait_until_landed(landed: Any) -> None:

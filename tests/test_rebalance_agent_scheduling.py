@@ -1,0 +1,42 @@
+"""The rebalance agent's thread never preempts the forward path when it wakes: ``SCHED_BATCH``.
+
+A real agent thread (a one-rank group: no collective to make), its policy read from the kernel.
+``scripts/bench_engine.py --agent-policy-ab`` measures what it changes (README "Benchmarks").
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from layout_ledger.wire.protocol import Reply
+from sglang_integration.engine.rebalance_agent import PluginGroup, RebalanceAgent
+
+
+class _NoRequests:
+    def begin(self, base_version: int, layers: list[int]) -> Reply:
+        raise AssertionError("no job is handed to this agent")
+
+    def commit(self, rows: dict[int, list[int]]) -> Reply:
+        raise AssertionError("no job is handed to this agent")
+
+    def abort(self) -> Reply:
+        raise AssertionError("no job is handed to this agent")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")
+def test_the_agent_thread_runs_sched_batch_and_the_main_thread_keeps_its_policy() -> None:
+    main_policy = os.sched_getscheduler(0)
+    agent = RebalanceAgent(_NoRequests(), PluginGroup(None, 1, 0))
+    try:
+        assert agent.native_id is not None
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(agent.native_id) != os.SCHED_BATCH:
+            assert time.monotonic() < deadline, "the agent thread never became SCHED_BATCH"
+            time.sleep(0.01)
+        assert os.sched_getscheduler(0) == main_policy
+    finally:
+        agent.stop()
