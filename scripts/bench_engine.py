@@ -25,7 +25,9 @@ back 50 ms (``testing.slow_relay``), beside the forward passes a rebalance takes
 thread's Python work per pass while the agent works against while no rebalance runs.
 
 Then the engine start (``startup.start_from_daemon_layout`` on daemons whose layout moved), by
-stage, beside sglang's own ``ExpertLocationMetadata.init_by_mapping`` of the same map.
+stage, beside sglang's own ``ExpertLocationMetadata.init_by_mapping`` of the same map: from the
+last rank's arrival to the last rank's end, the figures of the rank that ended last, each
+collective's wait for the other ranks shown apart (``start_figures``).
 
     .venv/bin/python scripts/bench_engine.py [--rounds 5] [--ep 2 4] [--pass-ms 5]
 """
