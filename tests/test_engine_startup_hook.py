@@ -259,8 +259,8 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.runtime_context import SpawnRanks, get_resources, publish
 
+    from sglang_integration.engine import rebalance_agent, weight_source
     from sglang_integration.engine import startup as engine_startup
-    from sglang_integration.engine import weight_source
     from sglang_integration.engine.metadata import map_of
 
     if scenario.get("continue"):  # a later phase of the same start (tests/test_standby_engine.py)
@@ -306,6 +306,8 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
             "attached": session.attached,
             "version": session.version,
             "digest": session.digest,
+            # whether this rank made the rebalance agents' gloo group (``create_group``)
+            "agents_group": rebalance_agent.current_group() is not None,
         }
     )
     if scenario.get("fetch") and report["error"] is None:

@@ -188,6 +188,23 @@ def test_daemons_at_the_same_version_are_adopted_by_every_rank(
                 probe.exit()
 
 
+@pytest.mark.parametrize("enable_eplb", [True, False], ids=["eplb", "no-eplb"])
+def test_the_agents_gloo_group_is_made_exactly_when_eplb_is_on(
+    ranks: EngineRanks, model_dir: Path, tmp_path: Path, enable_eplb: bool
+) -> None:
+    """sglang runs an EPLBManager, so a rebalance, so the agents' collectives, only with
+    --enable-eplb: without it no rank makes the agents' group (a collective every rank makes
+    or none does)."""
+    with daemons(tmp_path, ["ledger"] * ranks.world_size) as started:
+        chosen = scenario(started, model_dir=model_dir)
+        chosen["args"]["enable_eplb"] = enable_eplb
+        reports = ranks.run(chosen)
+    for report in reports:
+        assert report["error"] is None, report.get("traceback")
+        assert report["map"] == INITIAL
+        assert report["session"]["agents_group"] is enable_eplb
+
+
 def test_daemons_at_version_zero_leave_the_initial_layout_as_it_is(
     ranks: EngineRanks, model_dir: Path, tmp_path: Path
 ) -> None:

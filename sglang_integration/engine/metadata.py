@@ -3,15 +3,20 @@
 The metadata comes from ``ExpertLocationMetadata.init_by_mapping``, the call sglang makes for
 ``--init-expert-location`` with a ``physical_to_logical_map``, so an engine that adopts a
 daemon's map routes exactly as one started with that map in the flag; it is copied into the
-engine's with ``ExpertLocationMetadata.update`` over every layer, as sglang's own rebalance
-does. The sglang lines these rely on are ``UPSTREAM_LINES``.
+engine's own tensors in place (``copy_layers_in_place``: the fields and checks of
+``ExpertLocationMetadata.update``, which sglang's own rebalance calls, each written with one
+``copy_`` instead of ``update``'s ``torch.where`` over the whole tensor, which allocates and
+reads it three times: 36 MB for ``logical_to_all_physical_map`` alone at DeepSeek-V3's
+geometry, 30 ms a field on a CPU). The sglang lines these rely on are ``UPSTREAM_LINES``.
 """
 
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from itertools import chain
+from typing import TYPE_CHECKING, Any
 
 from layout_ledger.core.startup_verdict import ExpertLayoutStartupError
 from sglang_integration.upstream_lines import UpstreamLine
@@ -48,6 +53,23 @@ UPSTREAM_LINES = (
         "old_expert_location_metadata.update(",
         "sglang's rebalance copies new metadata in place, as adopt_map does",
     ),
+    UpstreamLine(
+        "srt/eplb/expert_location.py",
+        289,
+        "physical_to_logical_map_cpu=physical_to_logical_map.cpu(),",
+        "on a CPU device the _cpu fields are the device fields themselves (copied once)",
+    ),
+)
+
+# ``ExpertLocationMetadata.update``'s fields (sglang 0.5.23, expert_location.py 312-339), each
+# with its layer dimension first.
+UPDATED_FIELDS = (
+    "physical_to_logical_map",
+    "physical_to_logical_map_cpu",
+    "logical_to_all_physical_map",
+    "logical_to_all_physical_map_cpu",
+    "logical_to_all_physical_map_num_valid",
+    "logical_to_rank_dispatch_physical_map",
 )
 
 
@@ -112,12 +134,11 @@ def metadata_from_map(
     model_config: ModelConfig, physical_to_logical_map: Sequence[Sequence[int]], moe_ep_rank: int
 ) -> ExpertLocationMetadata:
     """``ExpertLocationMetadata.init_by_mapping`` of the map, as ``--init-expert-location`` does."""
-    import torch
     from sglang.srt.eplb.expert_location import ExpertLocationMetadata
 
     # --init-expert-location JSON arrives as nested lists, which init_by_mapping turns into a
     # tensor with torch.tensor (default int64); give it the same tensor.
-    tensor = torch.tensor([list(row) for row in physical_to_logical_map])
+    tensor = _int64_tensor(physical_to_logical_map)
     metadata = ExpertLocationMetadata.init_by_mapping(
         model_config, physical_to_logical_map=tensor, moe_ep_rank=moe_ep_rank
     )
@@ -127,6 +148,43 @@ def metadata_from_map(
             "has no routed experts to lay out"
         )
     return metadata
+
+
+def _int64_tensor(rows: Sequence[Sequence[int]]) -> Any:
+    """``torch.tensor(rows)`` of a rectangular map of ints, through one flat buffer (4x faster
+    than from nested lists at 61 x 288); a ragged map goes to ``torch.tensor``, which raises."""
+    import torch
+
+    width = len(rows[0]) if rows else 0
+    if not rows or not width or any(len(row) != width for row in rows):
+        return torch.tensor([list(row) for row in rows])
+    flat = array("q", chain.from_iterable(rows))
+    return torch.frombuffer(flat, dtype=torch.int64).view(len(rows), width)
+
+
+def copy_layers_in_place(current: Any, other: Any, layers: Sequence[int]) -> None:
+    """``current.update(other, layers)``'s effect: every field of ``layers`` copied from
+    ``other`` into ``current``'s own tensors (their storage, so their addresses, unchanged).
+
+    A field that is the very tensor of a field already written, in both (on a CPU device the
+    ``_cpu`` fields are, ``UPSTREAM_LINES``), is written once."""
+    import torch
+
+    if current.ep_size != other.ep_size:
+        raise ValueError(f"ep_size {current.ep_size} != {other.ep_size}")
+    written: list[tuple[Any, Any]] = []
+    for name in UPDATED_FIELDS:
+        mine, theirs = getattr(current, name), getattr(other, name)
+        if (mine is None) != (theirs is None):
+            raise ValueError(f"{name} is set on one metadata only")
+        if mine is None or any(mine is m and theirs is t for m, t in written):
+            continue
+        written.append((mine, theirs))
+        if len(layers) == mine.shape[0]:
+            mine.copy_(theirs)
+            continue
+        index = torch.tensor(list(layers), dtype=torch.long, device=mine.device)
+        mine.index_copy_(0, index, theirs.to(mine.device).index_select(0, index))
 
 
 def map_of(metadata: ExpertLocationMetadata) -> list[list[int]]:
@@ -141,19 +199,23 @@ def adopt_map(
     physical_to_logical_map: Sequence[Sequence[int]],
     moe_ep_rank: int,
     current: ExpertLocationMetadata,
+    *,
+    current_map: Sequence[Sequence[int]] | None = None,
 ) -> bool:
     """Make ``current`` describe the daemon's map; return whether anything changed.
 
     A map equal to ``current``'s is kept as is (no check can fail then: the engine already
     routes with it). Otherwise both checks run, and the metadata built from the map is copied
-    into ``current`` in place with ``ExpertLocationMetadata.update`` over every layer (as
-    sglang's own rebalance does), so objects that already hold ``current`` (the expert
-    distribution recorder) see the adopted layout too.
+    into ``current``'s tensors in place over every layer (``copy_layers_in_place``, the effect
+    of ``ExpertLocationMetadata.update``, as sglang's own rebalance does), so objects that
+    already hold ``current`` (the expert distribution recorder) see the adopted layout too.
+    ``current_map``: ``map_of(current)`` when the caller already has it.
     """
     check_map_shape(physical_to_logical_map, current)
-    if map_of(current) == [list(row) for row in physical_to_logical_map]:
+    mine = map_of(current) if current_map is None else current_map
+    if all(list(a) == list(b) for a, b in zip(mine, physical_to_logical_map, strict=True)):
         return False
     check_dispatch_follows_metadata()
     adopted = metadata_from_map(model_config, physical_to_logical_map, moe_ep_rank)
-    current.update(adopted, update_layer_ids=list(range(current.num_layers)))
+    copy_layers_in_place(current, adopted, range(current.num_layers))
     return True

@@ -44,7 +44,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Protocol
 
 from layout_ledger.core.layout import layout_digest
@@ -133,17 +132,12 @@ def create_group(world: Any) -> PluginGroup:
     """Make the plugin's gloo group over ``world``'s ranks (sglang's world ``GroupCoordinator``).
 
     A collective: every rank calls it at the same point of the startup (``startup``), after
-    sglang made its own groups.
+    sglang made its own groups, when sglang runs an ``EPLBManager`` (``--enable-eplb``).
     """
-    import torch.distributed as dist
+    from sglang_integration.engine.gloo_groups import new_gloo_group
 
-    ranks = list(world.ranks)
-    cpu_group = (
-        dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT))
-        if len(ranks) > 1
-        else None
-    )
-    group = PluginGroup(cpu_group, len(ranks), int(world.rank_in_group))
+    cpu_group = new_gloo_group(world, GROUP_TIMEOUT)
+    group = PluginGroup(cpu_group, int(world.world_size), int(world.rank_in_group))
     if _ThisRank.group is not None:
         _ThisRank.group.destroy()
     _ThisRank.group = group

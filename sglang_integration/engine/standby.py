@@ -36,7 +36,6 @@ some ranks of this engine still hold their lease) ends with a loud error instead
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
@@ -269,8 +268,8 @@ class StandbyGate:
         if prepared is None:  # cannot happen: this rank's own grant said prepared
             raise RuntimeError("the prepared layout vanished between the grant and its use")
         version, digest, built = prepared
-        from sglang_integration.engine.metadata import map_of
-        from sglang_integration.engine.standby_metadata import changed_layers, copy_layers_in_place
+        from sglang_integration.engine.metadata import copy_layers_in_place, map_of
+        from sglang_integration.engine.standby_metadata import changed_layers
 
         layers = changed_layers(map_of(self.metadata), map_of(built))
         copy_layers_in_place(self.metadata, built, layers)
@@ -549,18 +548,11 @@ def install_gate(
     on_adopted: Callable[[int, str], None] | None = None,
 ) -> StandbyGate:
     """At the end of a standby's startup, on every rank (its gloo group is made collectively)."""
-    import torch.distributed as dist
-
+    from sglang_integration.engine.gloo_groups import new_gloo_group
     from sglang_integration.settings import STANDBY_IDLE, WAIT_TIMEOUT
 
     wait_timeout = WAIT_TIMEOUT.read()
-    group = None
-    if world.world_size > 1:
-        group = dist.new_group(
-            ranks=list(world.ranks),
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=wait_timeout + COLLECTIVE_SLACK),
-        )
+    group = new_gloo_group(world, wait_timeout + COLLECTIVE_SLACK)
     close_gate()
     gate = StandbyGate(
         session=session,

@@ -5,10 +5,11 @@
 tensors keep their storage and a captured CUDA graph, which reads them by address, routes with
 the new map on its next replay. The new metadata comes from ``init_by_mapping``, as at startup
 (``metadata.metadata_from_map``), and only the layers whose rows differ are written, by
-``copy_layers_in_place``: the same fields and checks as ``update``, each layer copied in place
-with ``index_copy_`` instead of a ``torch.where`` over the whole tensor (``update`` reads every
-field three times, 36 MB for ``logical_to_all_physical_map`` alone at DeepSeek-V3's geometry;
-scripts/bench_standby.py measures both).
+``metadata.copy_layers_in_place`` (the one copy startup's ``adopt_map`` makes too): the same
+fields and checks as ``update``, each layer copied in place with ``index_copy_`` instead of a
+``torch.where`` over the whole tensor (``update`` reads every field three times, 36 MB for
+``logical_to_all_physical_map`` alone at DeepSeek-V3's geometry; scripts/bench_standby.py
+measures both).
 """
 
 from __future__ import annotations
@@ -20,37 +21,6 @@ from typing import Any
 def changed_layers(current: Sequence[Sequence[int]], target: Sequence[Sequence[int]]) -> list[int]:
     """The layers whose rows differ between two maps of one shape."""
     return [layer for layer, (a, b) in enumerate(zip(current, target, strict=True)) if a != b]
-
-
-# ``ExpertLocationMetadata.update``'s fields (sglang 0.5.23), each with its layer dimension first.
-UPDATED_FIELDS = (
-    "physical_to_logical_map",
-    "physical_to_logical_map_cpu",
-    "logical_to_all_physical_map",
-    "logical_to_all_physical_map_cpu",
-    "logical_to_all_physical_map_num_valid",
-    "logical_to_rank_dispatch_physical_map",
-)
-
-
-def copy_layers_in_place(current: Any, other: Any, layers: Sequence[int]) -> None:
-    """``current.update(other, layers)``'s effect: every field of ``layers`` copied from
-    ``other`` into ``current``'s own tensors (their storage, so their addresses, unchanged)."""
-    import torch
-
-    if current.ep_size != other.ep_size:
-        raise ValueError(f"ep_size {current.ep_size} != {other.ep_size}")
-    for name in UPDATED_FIELDS:
-        mine, theirs = getattr(current, name), getattr(other, name)
-        if (mine is None) != (theirs is None):
-            raise ValueError(f"{name} is set on one metadata only")
-        if mine is None:
-            continue
-        if len(layers) == mine.shape[0]:
-            mine.copy_(theirs)
-            continue
-        index = torch.tensor(list(layers), dtype=torch.long, device=mine.device)
-        mine.index_copy_(0, index, theirs.to(mine.device).index_select(0, index))
 
 
 def prepare_metadata(
@@ -80,7 +50,7 @@ def update_changed_layers(
 
     ``prepared``: the metadata of exactly ``target`` built before (``prepare_metadata``), or
     None to build it now."""
-    from sglang_integration.engine.metadata import check_map_shape, map_of
+    from sglang_integration.engine.metadata import check_map_shape, copy_layers_in_place, map_of
 
     check_map_shape(target, metadata)
     layers = changed_layers(map_of(metadata), [list(row) for row in target])

@@ -57,6 +57,12 @@ UPSTREAM_LINES = (
     ),
     UpstreamLine(_RUNNER, 715, "self.load_model()", "... before it loads the weights"),
     UpstreamLine(
+        _RUNNER,
+        795,
+        "if get_exec().moe.enable_eplb and (not self.is_draft_worker)",
+        "an EPLBManager (so a rebalance, so the agents' group) only with --enable-eplb",
+    ),
+    UpstreamLine(
         _RUNNER, 753, "def maybe_init_expert_location_metadata(self", "the target, run first"
     ),
     UpstreamLine(
@@ -172,7 +178,9 @@ def start_from_daemon_layout(
 
     1. rank 0 makes a fresh engine id and broadcasts it over the world CPU group (one id per
        engine start, shared by all ranks, unique: a uuid; the host and pid in it are only for
-       people reading the daemon's ledger);
+       people reading the daemon's ledger; one broadcast of ``ENGINE_ID_BYTES``); with
+       ``--enable-eplb`` (sglang's ``EPLBManager``, whose rebalances the agents serve) every
+       rank then makes the rebalance agents' gloo group (``rebalance_agent.create_group``);
     2. each rank attaches to its own daemon at the socket path the IPC loader will use, and
        keeps the attach connection open for the engine's lifetime (the session holds it);
     3. if another engine's move is pending there, it polls ``expert_layout_query`` until the
@@ -184,9 +192,11 @@ def start_from_daemon_layout(
        engine left mid-move are repaired when their slots hold whole experts of a valid layout
        (one more all-gather, of the repair replies), and every expert's expected fingerprint is
        kept for the check after the weights are loaded (``load_check``);
-    6. the rank adopts the daemons' map (``metadata.adopt_map``, one log line naming the
-       version), keeps the initial layout, or raises ``ExpertLayoutStartupError`` with the
-       reason, as every rank does.
+    6. the rank adopts the daemons' map (``metadata.adopt_map``: sglang's ``init_by_mapping``
+       of it, copied into the engine's metadata in place; one log line naming the version),
+       keeps the initial layout, or raises ``ExpertLayoutStartupError`` with the reason, as
+       every rank does. The engine's initial map is read from its metadata once (its digest
+       for the attach, the comparison in ``adopt_map``).
 
     A daemon that answers the attach with "Unknown request type" (sglang without this plugin)
     keeps no record: the engine starts with its own layout, logs one warning, and its shared
@@ -198,9 +208,10 @@ def start_from_daemon_layout(
     world = _world_group()
     rank = world.rank_in_group
     engine_id = _shared_engine_id(world)
-    # The rebalance agents' own gloo group, after sglang's: made where the broadcast has just
-    # brought every rank together, so no rank waits long for another to join it.
-    create_group(world)
+    if _rebalances():
+        # The rebalance agents' own gloo group, after sglang's: made where the broadcast has
+        # just brought every rank together, so no rank waits long for another to join it.
+        create_group(world)
     initial_map = map_of(metadata)
     initial_digest = layout_digest(initial_map)
     this = StartupRank(
@@ -223,7 +234,14 @@ def start_from_daemon_layout(
         decision, expected = settle(
             world, decide(findings), findings, [each for _, each, _ in gathered], this
         )
-        version, digest = _apply(decision, model_config, metadata, moe_ep_rank, initial_digest)
+        version, digest = _apply(
+            decision,
+            model_config=model_config,
+            metadata=metadata,
+            moe_ep_rank=moe_ep_rank,
+            initial_map=initial_map,
+            initial_digest=initial_digest,
+        )
     except BaseException:
         if attachment is not None:
             attachment.close()
@@ -270,7 +288,13 @@ def _granted_role(asked: str, attachment: client.Attachment | None) -> str:
 
 
 def _apply(
-    decision: Decision, model_config: Any, metadata: Any, moe_ep_rank: int, initial_digest: str
+    decision: Decision,
+    *,
+    model_config: Any,
+    metadata: Any,
+    moe_ep_rank: int,
+    initial_map: list[list[int]],
+    initial_digest: str,
 ) -> tuple[int, str]:
     """Act on the decision on this rank: raise, adopt the map or keep the initial one."""
     from sglang_integration.engine.metadata import adopt_map
@@ -278,7 +302,13 @@ def _apply(
     if isinstance(decision, FailStartup):
         raise ExpertLayoutStartupError(decision.reason)
     if isinstance(decision, AdoptLayout):
-        changed = adopt_map(model_config, decision.physical_to_logical_map, moe_ep_rank, metadata)
+        changed = adopt_map(
+            model_config,
+            decision.physical_to_logical_map,
+            moe_ep_rank,
+            metadata,
+            current_map=initial_map,
+        )
         logger.info(
             "Routing with the weight cache daemon's expert layout at version %d "
             "(digest %s, %s the engine's initial layout)",
@@ -430,24 +460,50 @@ def _expert_rank() -> int:
     return int(parallel.moe_ep_rank + offset)
 
 
+def _rebalances() -> bool:
+    """Whether sglang runs an ``EPLBManager``, whose rebalances the agents serve: only with
+    ``--enable-eplb`` (``UPSTREAM_LINES``); a draft worker never reaches the hook's body."""
+    from sglang.srt.runtime_context import get_exec
+
+    return bool(get_exec().moe.enable_eplb)
+
+
 def _world_group() -> Any:
     from sglang.srt.runtime_context import get_parallel
 
     return get_parallel().world_group
 
 
+# The engine id's bytes on the wire: room for "engine-", a 64-character host name (Linux's
+# HOST_NAME_MAX), a pid and 16 hex digits; zeros after the id.
+ENGINE_ID_BYTES = 128
+
+
+def new_engine_id() -> str:
+    """A fresh engine id: unique by its uuid; the host and pid are for people reading a ledger."""
+    return f"engine-{socket.gethostname()[:64]}-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+
+
 def _shared_engine_id(world: Any) -> str:
-    """A new id made on the world group's first rank and broadcast to the others."""
+    """A new id made on the world group's first rank and broadcast to the others: one
+    collective of ``ENGINE_ID_BYTES`` bytes (``broadcast_object_list`` makes two, its sizes then
+    its pickles)."""
+    import torch
     import torch.distributed as dist
 
-    holder: list[str | None] = [None]
+    buffer = torch.zeros(ENGINE_ID_BYTES, dtype=torch.uint8)
     if world.rank_in_group == 0:
-        holder[0] = f"engine-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+        encoded = new_engine_id().encode()[:ENGINE_ID_BYTES]
+        buffer[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
     if world.world_size > 1:
-        dist.broadcast_object_list(holder, src=world.ranks[0], group=world.cpu_group)
-    engine_id = holder[0]
-    if not isinstance(engine_id, str) or not engine_id:
-        raise ExpertLayoutStartupError(f"rank 0 broadcast no engine id ({engine_id!r})")
+        dist.broadcast(buffer, src=world.ranks[0], group=world.cpu_group)
+    raw = bytes(buffer.tolist()).rstrip(b"\0")
+    try:
+        engine_id = raw.decode()
+    except UnicodeDecodeError:
+        engine_id = ""
+    if not engine_id:
+        raise ExpertLayoutStartupError(f"rank 0 broadcast no engine id ({raw!r})")
     return engine_id
 
 

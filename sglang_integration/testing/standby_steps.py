@@ -73,8 +73,11 @@ def _compare_update(gate: Any, target: list[list[int]], layers: list[int]) -> di
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_integration.engine.metadata import metadata_from_map
-    from sglang_integration.engine.standby_metadata import UPDATED_FIELDS, copy_layers_in_place
+    from sglang_integration.engine.metadata import (
+        UPDATED_FIELDS,
+        copy_layers_in_place,
+        metadata_from_map,
+    )
 
     current = get_global_expert_location_metadata()
     rank = get_parallel().world_group.rank_in_group
