@@ -22,14 +22,19 @@ sglang's own calls (the plan, the logs, the move): what the plugin adds. A chunk
 slowest rank's. Printed for one layer per chunk and all layers in one chunk, with daemons as
 they are and with each daemon behind a relay that holds every begin, commit and abort reply
 back 50 ms (``testing.slow_relay``), beside the forward passes a rebalance takes and the main
-thread's Python work per pass while the agent works against while no rebalance runs.
+thread's Python work per pass while the agent works against while no rebalance runs. Each
+rebalance's first and last chunk (its set-up, its end) are printed apart (a1), and each chunk's
+time is split into the main thread's CPU time, its wait for a CPU while runnable (the kernel's
+run delay) and the rest, waits for the GIL among it (a2). ``--agent-policy-ab`` runs the plugin
+a second time with its agent thread ``SCHED_OTHER`` instead of ``SCHED_BATCH``.
 
 Then the engine start (``startup.start_from_daemon_layout`` on daemons whose layout moved), by
 stage, beside sglang's own ``ExpertLocationMetadata.init_by_mapping`` of the same map: from the
 last rank's arrival to the last rank's end, the figures of the rank that ended last, each
 collective's wait for the other ranks shown apart (``start_figures``).
 
-    .venv/bin/python scripts/bench_engine.py [--rounds 5] [--ep 2 4] [--pass-ms 5]
+    .venv/bin/python scripts/bench_engine.py [--rounds 5] [--ep 2 4] [--pass-ms 5] [--no-slow]
+        [--chunking both|all|one] [--agent-policy-ab]
 """
 
 from __future__ import annotations
