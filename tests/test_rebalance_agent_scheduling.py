@@ -11,26 +11,15 @@ import sys
 import time
 
 import pytest
+from test_rebalance_margin import NoDaemonRequests
 
-from layout_ledger.wire.protocol import Reply
 from sglang_integration.engine.rebalance_agent import PluginGroup, RebalanceAgent
-
-
-class _NoRequests:
-    def begin(self, base_version: int, layers: list[int]) -> Reply:
-        raise AssertionError("no job is handed to this agent")
-
-    def commit(self, rows: dict[int, list[int]]) -> Reply:
-        raise AssertionError("no job is handed to this agent")
-
-    def abort(self) -> Reply:
-        raise AssertionError("no job is handed to this agent")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")
 def test_the_agent_thread_runs_sched_batch_and_the_main_thread_keeps_its_policy() -> None:
     main_policy = os.sched_getscheduler(0)
-    agent = RebalanceAgent(_NoRequests(), PluginGroup(None, 1, 0))
+    agent = RebalanceAgent(NoDaemonRequests(), PluginGroup(None, 1, 0))
     try:
         assert agent.native_id is not None
         deadline = time.monotonic() + 10

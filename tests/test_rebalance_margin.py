@@ -54,8 +54,8 @@ def test_a_margin_policy_refuses_a_floor_outside_one_to_its_ceiling() -> None:
         MarginPolicy(floor=5, ceiling=4)
 
 
-class _NeverCalled:
-    """The agent's daemon client; no job is handed to the agent here, so none is sent."""
+class NoDaemonRequests:
+    """An agent's daemon client where no job is handed to the agent, so no request is sent."""
 
     def begin(self, base_version: int, layers: list[int]) -> Reply:
         raise AssertionError("no begin in this test")
@@ -84,7 +84,7 @@ def _agreeing_rank(rank: int, port: int, out: Connection) -> None:
         counter, slowest = RANKS[rank]
         margins = MarginPolicy()
         margins.taken(slowest)
-        agent = RebalanceAgent(_NeverCalled(), group, margins=margins)
+        agent = RebalanceAgent(NoDaemonRequests(), group, margins=margins)
         try:
             agent.step = counter
             proposed = margins.propose()

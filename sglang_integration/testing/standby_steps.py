@@ -136,16 +136,10 @@ def _forward(gate: Any) -> dict[str, Any]:
 
 def _addresses(metadata: Any) -> list[int]:
     """The storage addresses of the metadata's tensors (a captured CUDA graph reads these)."""
-    names = (
-        "physical_to_logical_map",
-        "physical_to_logical_map_cpu",
-        "logical_to_all_physical_map",
-        "logical_to_all_physical_map_cpu",
-        "logical_to_all_physical_map_num_valid",
-        "logical_to_rank_dispatch_physical_map",
-    )
+    from sglang_integration.engine.metadata import UPDATED_FIELDS
+
     return [
         getattr(metadata, name).data_ptr()
-        for name in names
+        for name in UPDATED_FIELDS
         if getattr(metadata, name, None) is not None
     ]
