@@ -113,6 +113,25 @@ def test_follow_refuses_options_that_need_an_end(clean, capsys, other):
 # --- --follow against a live writer ---------------------------------------------------------
 
 
+def _start_follower(*arguments: str) -> subprocess.Popen[bytes]:
+    """``layout-ledger *arguments`` with SIGINT not ignored, as in a terminal's foreground.
+
+    A process started in the background of a non-interactive shell inherits SIGINT ignored (and
+    so would the follower, which Ctrl-C, the test's SIGINT, would then never reach); an ignored
+    signal stays ignored across exec, a handled one starts at its default there.
+    """
+    inherited = signal.getsignal(signal.SIGINT)
+    if inherited == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(
+            [str(CONSOLE_SCRIPT), *arguments], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+    finally:
+        if inherited == signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class _Lines:
     """A child's stdout read line by line without blocking past a deadline."""
 
@@ -157,11 +176,7 @@ def test_follow_prints_every_committed_event_once_in_order_and_sigint_exits_0(tm
         assert ready.wait(120), "the writer process did not start"
         while commits.value < 20:
             time.sleep(0.01)
-        follower = subprocess.Popen(
-            [str(CONSOLE_SCRIPT), "history", str(path), "--follow", form],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        follower = _start_follower("history", str(path), "--follow", form)
         lines = _Lines(follower)
         header = 1 if form == "--csv" else 0
         # At least the first ten (tail's habit), then events committed while it follows.
@@ -202,11 +217,7 @@ def test_follow_prints_every_committed_event_once_in_order_and_sigint_exits_0(tm
 
 
 def test_follow_of_a_quiet_ledger_prints_the_last_ten_then_stops_on_sigint(clean):
-    follower = subprocess.Popen(
-        [str(CONSOLE_SCRIPT), "history", str(clean), "--follow"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    follower = _start_follower("history", str(clean), "--follow")
     try:
         lines = _Lines(follower)
         lines.read_until(lambda got: len(got) >= 10, 60)
@@ -241,11 +252,7 @@ def test_follow_of_a_stopped_daemons_ledger_sees_the_next_daemon_start(tmp_path,
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
     assert not Path(f"{path}-wal").exists() or Path(f"{path}-wal").stat().st_size == 0
-    follower = subprocess.Popen(
-        [str(CONSOLE_SCRIPT), "history", str(path), "--follow", "--kind", "start", "--nl"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    follower = _start_follower("history", str(path), "--follow", "--kind", "start", "--nl")
     try:
         lines = _Lines(follower)
         lines.read_until(lambda got: len(got) >= 2, 60)
@@ -320,11 +327,7 @@ def test_follow_of_many_ledgers_prints_each_ledgers_new_events_naming_its_rank(t
     follower = None
     try:
         assert ready.wait(120), "the writer process did not start"
-        follower = subprocess.Popen(
-            [str(CONSOLE_SCRIPT), "history", str(tmp_path), "--follow", "--nl"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        follower = _start_follower("history", str(tmp_path), "--follow", "--nl")
         lines = _Lines(follower)
         lines.read_until(lambda got: len(got) >= 40, 60)
         stop.set()
