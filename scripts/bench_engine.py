@@ -171,9 +171,6 @@ class Spent:
         self.runqueue += other.runqueue
         self.collector += other.collector
 
-    def minus(self, other: Spent) -> Spent:
-        return self.since(other)
-
 
 class _SglangClock:
     """Time spent in sglang's own calls on the main thread (subtracted from a pass's time)."""
@@ -236,7 +233,8 @@ def _drive(
             ended = False
         except StopIteration:
             ended = True
-        this_pass = Spent.read(wall_first=True).since(started).minus(clock.spent.minus(spent))
+        sglang_part = clock.spent.since(spent)
+        this_pass = Spent.read(wall_first=True).since(started).since(sglang_part)
         current.add(this_pass)
         passes += 1
         (clock.move_passes if clock.moves != moves else clock.other_passes).append(this_pass.wall)
@@ -652,17 +650,13 @@ def run(
         # end and its log line): reported apart, so that the per-chunk figures are the chunks'
         # own. A rebalance of one or two chunks is kept whole.
         per_rebalance = len(per_rank[0][0])
-
-        def at_an_end(index: int, per_rebalance: int = per_rebalance) -> bool:
-            return per_rebalance > 2 and index % per_rebalance in (0, per_rebalance - 1)
-
+        last = per_rebalance - 1
         firsts = [each[0] for index, each in enumerate(slowest) if index % per_rebalance == 0]
-        lasts = [
-            each[0]
-            for index, each in enumerate(slowest)
-            if index % per_rebalance == per_rebalance - 1
-        ]
-        slowest = [each for index, each in enumerate(slowest) if not at_an_end(index)]
+        lasts = [each[0] for index, each in enumerate(slowest) if index % per_rebalance == last]
+        if per_rebalance > 2:
+            slowest = [
+                each for index, each in enumerate(slowest) if 0 < index % per_rebalance < last
+            ]
         summary[path] = {
             "first": firsts,
             "last": lasts,

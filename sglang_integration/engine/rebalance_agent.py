@@ -307,8 +307,8 @@ class RebalanceAgent:
     # --- on the agent's thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        yield_to_the_forward_path()
         try:
+            yield_to_the_forward_path()
             while True:
                 job = self._next_job()
                 if job is None:
