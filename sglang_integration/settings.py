@@ -46,6 +46,23 @@ class ContentCheck(enum.Enum):
 
 CHOICES = tuple(mode.value for mode in ContentCheck)
 
+
+class RestoreMode(enum.Enum):
+    """Which layout a daemon with ``--enable-eplb`` loads its weights into.
+
+    - ``last``: the newest committed version of its ledger's earlier incarnations, when it was
+      recorded for the same geometry and checkpoint and its rows verify, agreed with the other
+      daemons of its engine; it starts at that version's number and digest. Otherwise (and
+      with ``initial``) sglang's initial layout at version 0, with one warning naming why.
+    - ``initial``: always sglang's initial layout at version 0 (the behaviour before restores).
+    """
+
+    LAST = "last"
+    INITIAL = "initial"
+
+
+RESTORE_CHOICES = tuple(mode.value for mode in RestoreMode)
+
 # --- Defaults, and why -----------------------------------------------------------------------
 
 # The ledger lies beside the daemon's socket, in the directory of sglang's
@@ -77,6 +94,11 @@ DEFAULT_WAIT_TIMEOUT = 300.0
 
 # Wrong content routes tokens to the wrong expert without any error: refuse it by default.
 DEFAULT_CONTENT_CHECK = ContentCheck.ENFORCE
+
+# A restarted daemon keeps the balance EPLB learned: it loads its weights into the last committed
+# layout instead of the initial one (engines then run balanced at once, with no rebalance to
+# gather statistics for), and a version number keeps naming one map.
+DEFAULT_RESTORE = RestoreMode.LAST
 
 # An engine attaches as an active engine (it serves and may move experts, as every engine before
 # roles did) unless it is started as a warm standby.
@@ -201,6 +223,13 @@ def seconds_from_zero(raw: str, name: str) -> float:
     return value
 
 
+def restore_mode(raw: str, name: str) -> RestoreMode:
+    try:
+        return RestoreMode(raw.strip().lower())
+    except ValueError:
+        raise SettingError(f"{name}={raw!r} is not one of {', '.join(RESTORE_CHOICES)}") from None
+
+
 def engine_role(raw: str, name: str) -> str:
     role = raw.strip().lower()
     if role not in ROLE_CHOICES:
@@ -265,6 +294,16 @@ CONTENT_CHECK: Setting[ContentCheck] = Setting(
     "whose replicas differ (enforce), only log it (warn), or record no fingerprints (off)",
     choices=CHOICES,
 )
+RESTORE: Setting[RestoreMode] = Setting(
+    env="SGLANG_EXPERT_LAYOUT_RESTORE",
+    flag="--expert-layout-restore",
+    default=DEFAULT_RESTORE,
+    parse=restore_mode,
+    help="load the weights into the newest committed layout of the ledger's earlier "
+    "incarnations, agreed by the engine's daemons (last), or into sglang's initial layout "
+    "at version 0 (initial)",
+    choices=RESTORE_CHOICES,
+)
 
 ROLE: Setting[str] = Setting(
     env="SGLANG_EXPERT_LAYOUT_ROLE",
@@ -291,6 +330,7 @@ SETTINGS: tuple[Setting[Any], ...] = (
     REQUEST_TIMEOUT,
     WAIT_TIMEOUT,
     CONTENT_CHECK,
+    RESTORE,
     ROLE,
     STANDBY_IDLE,
 )

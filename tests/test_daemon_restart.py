@@ -1,4 +1,4 @@
-"""Daemon restarts: a new incarnation at version 0, the old history kept, crashes named.
+"""Daemon restarts: a new incarnation, the old history kept, crashes named.
 
 Model-less daemons (sglang's real serve loop with the plugin) on one ledger file, started one
 after another; one of them through ``python -m sglang_integration.testing.daemon`` itself.
@@ -51,7 +51,7 @@ def incarnations(daemon: DaemonProcess) -> list[tuple[Any, ...]]:
         ).fetchall()
 
 
-def test_a_restarted_daemon_starts_at_version_0_and_keeps_the_previous_history(
+def test_a_daemon_restarted_with_restore_initial_starts_at_version_0_keeping_the_history(
     tmp_path: Path,
 ) -> None:
     first = start(tmp_path)
@@ -64,10 +64,13 @@ def test_a_restarted_daemon_starts_at_version_0_and_keeps_the_previous_history(
     assert first.stop() == 0  # SIGTERM: a clean exit
     assert incarnations(first) == [(1, "clean", 2)]
 
-    second = start(tmp_path, via_cli=True)  # python -m sglang_integration.testing.daemon
+    # python -m sglang_integration.testing.daemon, loading sglang's initial layout (the
+    # default, restoring version 2, is tests/test_daemon_restore.py's)
+    second = start(tmp_path, via_cli=True, extra=["--expert-layout-restore", "initial"])
     try:
         state = request(second.socket_path, {"type": msg.QUERY})["layout"]
         assert (state["version"], state["physical_to_logical_map"]) == (0, INITIAL)
+        assert state["restored_from"] is None
         assert state["digest"] == layout_digest(INITIAL)
         with LedgerReader(second.ledger_path) as reader:
             previous = reader.state(1)

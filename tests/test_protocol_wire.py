@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from layout_ledger.core.layout import Geometry, layout_digest, trivial_map
-from layout_ledger.core.state import DirtyMark, LayoutState, PendingMove
+from layout_ledger.core.state import DirtyMark, LayoutState, PendingMove, RestoredFrom
 from layout_ledger.wire import protocol
 from layout_ledger.wire.protocol import Committed, LayoutView, Outcome, Reply
 
@@ -45,7 +45,33 @@ def test_the_layout_state_on_the_wire_has_exactly_the_protocol_fields() -> None:
         "non_following_fetch": False,
         "standbys": [],
         "leases": [],
+        "restored_from": None,
     }
+
+
+def test_a_restored_state_carries_incarnation_version_and_digest_and_reads_back() -> None:
+    restored = RestoredFrom(3, 2, DIGEST, source="rank 1's ledger /x.sqlite")
+    wire = LayoutView.of(_state(restored_from=restored)).to_wire()
+    assert wire["restored_from"] == {"incarnation": 3, "version": 2, "digest": DIGEST}
+    assert LayoutView.from_wire(wire).restored_from == RestoredFrom(3, 2, DIGEST)
+    older = {key: value for key, value in wire.items() if key != "restored_from"}
+    assert LayoutView.from_wire(older).restored_from is None  # a daemon from before restores
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [3, 2, DIGEST],
+        {"incarnation": 0, "version": 2, "digest": DIGEST},
+        {"incarnation": 3, "version": -1, "digest": DIGEST},
+        {"incarnation": 3, "version": True, "digest": DIGEST},
+        {"incarnation": 3, "version": 2, "digest": DIGEST.upper()},
+    ],
+)
+def test_a_restored_from_of_another_shape_is_a_protocol_violation(bad: object) -> None:
+    wire = {**LayoutView.of(_state()).to_wire(), "restored_from": bad}
+    with pytest.raises(protocol.ProtocolViolation, match="restored_from"):
+        LayoutView.from_wire(wire)
 
 
 def test_a_dirty_state_carries_the_dirty_reason_and_never_the_begin_time() -> None:

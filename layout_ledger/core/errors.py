@@ -35,6 +35,10 @@ class SchemaOutdated(LedgerError):
     """A read-only opener found an older schema that only a writer may upgrade."""
 
 
+class SchemaDowngradeRefused(LedgerError):
+    """A downgrade would leave rows the older code cannot read; the message says what to do."""
+
+
 class LedgerStorageError(LedgerError):
     """SQLite failed while reading or writing the ledger (disk full, I/O error, corruption)."""
 

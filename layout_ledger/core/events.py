@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-START = "start"  # a daemon incarnation began (version 0 recorded)
+START = "start"  # a daemon incarnation began (its first version recorded: 0, or the restored one)
+# Right after a start: the incarnation loaded its weights into an earlier incarnation's newest
+# committed version (``state.RestoredFrom``) and starts at that version's number and digest.
+RESTORE = "restore"
 END = "end"  # the incarnation ended (clean shutdown, or found unended at the next start)
 ATTACH = "attach"
 DETACH = "detach"
@@ -58,6 +61,7 @@ STANDBY_ATTACH_REASON = "role: standby"
 
 ALL_KINDS: tuple[str, ...] = (
     START,
+    RESTORE,
     END,
     ATTACH,
     DETACH,

@@ -54,10 +54,23 @@ class Geometry:
                 f"num_physical_slots ({self.num_physical_slots}): every expert needs a slot"
             )
 
+    def describe(self) -> str:
+        return (
+            f"{self.num_layers} layers x {self.num_physical_slots} physical slots, "
+            f"{self.num_logical_experts} logical experts"
+        )
+
 
 def is_int(value: Any) -> bool:
     """A real Python int (bool, float, NaN and numpy scalars are not)."""
     return type(value) is int
+
+
+def is_digest(value: Any) -> bool:
+    """64 lowercase hex characters, the form of every digest (on the wire and in the ledger)."""
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
 
 
 def compact_json(value: Any) -> bytes:

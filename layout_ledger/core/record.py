@@ -44,6 +44,7 @@ from layout_ledger.core.state import (
     DirtyMark,
     LayoutState,
     PendingMove,
+    RestoredFrom,
     utc_now,
 )
 
@@ -127,9 +128,12 @@ class LayoutRecord:
         clock: Callable[[], str] | None = None,
         content: LocalFingerprints | None = None,
         engine_ids: Callable[[Any], str] = rules.check_request_engine_id,
+        restored_from: RestoredFrom | None = None,
     ) -> None:
         """``engine_ids`` checks the engine id each transition names, first: a request's rule
-        (a daemon's record), or ``rules.check_engine_id`` for a replay of stored events."""
+        (a daemon's record), or ``rules.check_engine_id`` for a replay of stored events.
+        ``restored_from``: the incarnation starts at that version and digest, whose map
+        ``physical_to_logical_map`` must be (``restored_start``); None: at version 0."""
         self._lock = threading.RLock()
         self.journal = journal
         self._clock = clock or _now
@@ -138,8 +142,9 @@ class LayoutRecord:
         self.geometry = geometry
         # None once a replayed commit was known by its digest only (its rows were pruned).
         self._row_jsons: list[str] | None = [row_json(row) for row in physical_to_logical_map]
-        self.version = 0
         self.digest = digest_of_row_jsons(self._row_jsons)
+        self.restored_from = restored_from
+        self.version = restored_start(restored_from, self.digest)
         self.pending: PendingMove | None = None
         self.dirty: DirtyMark | None = None
         self._attached: dict[str, str] = {}
@@ -204,6 +209,7 @@ class LayoutRecord:
                 cordon=self.cordon,
                 standbys=tuple(e for e in self._attached if e in self._standbys),
                 leases=tuple(e for e in self._attached if e in self._leases),
+                restored_from=self.restored_from,
             )
 
     def physical_to_logical_map(self) -> Map:
@@ -222,22 +228,21 @@ class LayoutRecord:
     # --- transitions --------------------------------------------------------------------
 
     def start(self, label: str | None = None, at: str | None = None) -> None:
-        """Append the incarnation's start: version 0, every layer's row and fingerprints."""
+        """Append the incarnation's start: its first version (0, or the restored one), every
+        layer's row and fingerprints; a restored start is followed by its ``restore`` event."""
         with self._lock:
             rows = dict(enumerate(self._known_rows()))
+            at = at or self._clock()
+            started = ev.Event(
+                at=at,
+                kind=ev.START,
+                layers=tuple(rows),
+                new_version=self.version,
+                digest_after=self.digest,
+                reason=label or None,
+            )
             self.journal.append(
-                [
-                    ev.Event(
-                        at=at or self._clock(),
-                        kind=ev.START,
-                        layers=tuple(rows),
-                        new_version=0,
-                        digest_after=self.digest,
-                        reason=label or None,
-                    )
-                ],
-                rows,
-                self.content,
+                [started, *_restore_events(self.restored_from, at)], rows, self.content
             )
 
     def attach(self, engine_id: Any, role: Any = None) -> str:
@@ -749,6 +754,36 @@ class LayoutRecord:
         except LedgerError as failure:
             logger.error("could not record a refused %s in the ledger: %s", verb, failure)
         raise exc
+
+
+def restored_start(restored_from: RestoredFrom | None, digest: str) -> int:
+    """The version an incarnation starts at: 0, or the restored one, whose digest its map
+    must give (a restore never names a map by another version's digest)."""
+    if restored_from is None:
+        return 0
+    if restored_from.digest != digest:
+        raise LedgerError(
+            f"the restored version {restored_from.version} has digest "
+            f"{restored_from.digest[:12]}... but the map to start with gives {digest[:12]}...; "
+            f"the restore cannot start from it"
+        )
+    return restored_from.version
+
+
+def _restore_events(restored_from: RestoredFrom | None, at: str) -> list[ev.Event]:
+    """The ``restore`` event that follows a restored incarnation's start (none otherwise)."""
+    if restored_from is None:
+        return []
+    return [
+        ev.Event(
+            at=at,
+            kind=ev.RESTORE,
+            base_version=restored_from.version,
+            new_version=restored_from.version,
+            digest_after=restored_from.digest,
+            reason=restored_from.describe(),
+        )
+    ]
 
 
 def _move_event(kind: str, move: PendingMove, at: str, **fields: Any) -> ev.Event:

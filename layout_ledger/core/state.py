@@ -97,6 +97,31 @@ class Cordon:
     reason: str
 
 
+@dataclass(frozen=True)
+class RestoredFrom:
+    """The committed version an incarnation restored: it started at this ``version`` and
+    ``digest``, with the map ``incarnation`` recorded for them (``--expert-layout-restore last``).
+
+    ``source`` None: ``incarnation`` is an earlier incarnation of this ledger; otherwise it names
+    the ledger of another daemon of the engine whose rows were taken (``incarnation`` is that
+    ledger's). The wire carries incarnation, version and digest (``wire.protocol.LayoutView``).
+    """
+
+    incarnation: int
+    version: int
+    digest: str
+    source: str | None = None
+
+    def describe(self) -> str:
+        """The ``restore`` event's reason, derived from these fields alone (a replay rebuilds
+        it from the incarnation's row)."""
+        where = "" if self.source is None else f" of {self.source}"
+        return f"restored version {self.version} of incarnation {self.incarnation}{where}"
+
+    def to_wire(self) -> dict[str, int | str]:
+        return {"incarnation": self.incarnation, "version": self.version, "digest": self.digest}
+
+
 # An attached engine's role (``expert_layout_attach``'s optional ``role``): an ``active`` engine
 # serves and always holds an active lease; a ``standby`` holds one only while it serves (from an
 # ``expert_layout_lease`` to its ``expert_layout_release`` or its detach). The one-mover rule
@@ -124,6 +149,9 @@ class LayoutState:
     # those of them that hold a lease now.
     standbys: tuple[str, ...] = field(default_factory=tuple)
     leases: tuple[str, ...] = field(default_factory=tuple)
+    # The committed version this incarnation restored at its start (None: it started at
+    # version 0 in sglang's initial layout).
+    restored_from: RestoredFrom | None = None
 
     def role_of(self, engine_id: str) -> str:
         """An attached engine's role."""

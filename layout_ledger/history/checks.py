@@ -71,35 +71,19 @@ class Inconsistent(Exception):
     """Raised inside one check to stop it at its first inconsistency."""
 
 
-_VERSIONED = ", ".join(f"'{kind}'" for kind in chain.VERSIONED_KINDS)
-_CHAIN_ROWS = (
-    f"SELECT e.event_id, {', '.join('e.' + name for name in chain.FIELDS)}, e.chain, "
-    "v.fingerprints_digest FROM events e LEFT JOIN versions v "
-    "ON v.incarnation_id = e.incarnation_id AND v.version = e.new_version "
-    f"AND e.kind IN ({_VERSIONED}) ORDER BY e.event_id"
-)
-
-
 def _chain_check(conn: Connection) -> CheckResult:
-    """Recompute the events' hash chain (``layout_ledger.store.chain``); name the first break.
-
-    A start, commit or repair event's link covers its version's ``fingerprints_digest`` (None
-    for rows of older code, which link as they always did)."""
-    previous = chain.GENESIS
-    rows = conn.exec_driver_sql(_CHAIN_ROWS)
-    count = 0
-    for event_id, *fields, stored, digest in rows:
-        expected = chain.link(previous, fields, digest)
-        if stored != expected:
-            return CheckResult(
-                "chain",
-                None,
-                False,
-                f"event #{event_id}'s chain value does not follow from the rows before it: a row "
-                f"at or before it was edited, inserted or deleted",
-            )
-        previous, count = expected, count + 1
-    return CheckResult("chain", None, True, f"{count} events chained, head {previous}")
+    """Recompute the events' hash chain (``layout_ledger.store.chain.walk``); name the first
+    break."""
+    walked = chain.walk(conn)
+    if walked.broken_at is not None:
+        return CheckResult(
+            "chain",
+            None,
+            False,
+            f"event #{walked.broken_at}'s chain value does not follow from the rows before it: "
+            f"a row at or before it was edited, inserted or deleted",
+        )
+    return CheckResult("chain", None, True, f"{walked.count} events chained, head {walked.head}")
 
 
 def _pragma_check(conn: Connection, pragma: str) -> CheckResult:
@@ -131,13 +115,19 @@ def _check_version_chain(conn: Connection, inc: Incarnation) -> str:
         .scalars()
         .all()
     )
+    first = inc.first_version
     if not versions:
-        raise Inconsistent("no versions at all (not even version 0)")
-    for expected, version in enumerate(versions):
+        raise Inconsistent(f"no versions at all (not even version {first}, its first)")
+    if versions[0] < first:
+        raise Inconsistent(
+            f"version {versions[0]} comes before version {first}, which the incarnation "
+            f"restored and started at"
+        )
+    for expected, version in enumerate(versions, first):
         if version != expected:
             missing = expected if version == expected + 1 else f"{expected}..{version - 1}"
             raise Inconsistent(f"version {missing} is missing before version {version}")
-    return f"versions 0..{versions[-1]} without gaps"
+    return f"versions {first}..{versions[-1]} without gaps"
 
 
 def _check_digests(conn: Connection, inc: Incarnation) -> str:
@@ -149,21 +139,56 @@ def _check_digests(conn: Connection, inc: Incarnation) -> str:
         raise Inconsistent(
             f"the initial map does not give the recorded initial digest {inc.initial_digest[:12]}"
         )
-    version_zero = conn.execute(
-        text("SELECT digest FROM versions WHERE incarnation_id = :i AND version = 0"),
-        {"i": inc.incarnation_id},
+    start = inc.first_version
+    first_digest = conn.execute(
+        text("SELECT digest FROM versions WHERE incarnation_id = :i AND version = :v"),
+        {"i": inc.incarnation_id, "v": start},
     ).scalar()
-    if version_zero is not None and version_zero != inc.initial_digest:
+    if first_digest is not None and first_digest != inc.initial_digest:
         raise Inconsistent(
-            f"version 0 records digest {str(version_zero)[:12]} but the initial digest is "
+            f"version {start} records digest {str(first_digest)[:12]} but the initial digest is "
             f"{inc.initial_digest[:12]}"
+        )
+    if inc.restored_from is not None and inc.restored_from.digest != inc.initial_digest:
+        raise Inconsistent(
+            f"the incarnation restored digest {inc.restored_from.digest[:12]} but its initial "
+            f"digest is {inc.initial_digest[:12]}"
         )
     try:
         first, last = check_version_digests(conn, inc)
     except WalkInconsistency as exc:
         raise Inconsistent(str(exc)) from exc
-    pruned = "" if not first else f"; versions 0..{first - 1} were pruned"
-    return f"digests of versions {first}..{last} recomputed from the rows match{pruned}"
+    pruned = "" if first in (None, start) else f"; versions {start}..{first - 1} were pruned"
+    restored = _check_restored_source(conn, inc)
+    return f"digests of versions {first}..{last} recomputed from the rows match{pruned}{restored}"
+
+
+def _check_restored_source(conn: Connection, inc: Incarnation) -> str:
+    """A restore from this ledger names an earlier incarnation's version with the digest that
+    incarnation recorded for it: a version number never names two maps along a restore."""
+    restored = inc.restored_from
+    if restored is None:
+        return ""
+    if restored.source is not None:
+        return f"; restored from {restored.source}, which this ledger cannot check"
+    if restored.incarnation >= inc.incarnation_id:
+        raise Inconsistent(
+            f"it restored incarnation {restored.incarnation}, which is not an earlier one"
+        )
+    recorded = conn.execute(
+        text("SELECT digest FROM versions WHERE incarnation_id = :i AND version = :v"),
+        {"i": restored.incarnation, "v": restored.version},
+    ).scalar()
+    if recorded != restored.digest:
+        held = "holds no such version" if recorded is None else f"recorded {str(recorded)[:12]}"
+        raise Inconsistent(
+            f"it restored version {restored.version} of incarnation {restored.incarnation} with "
+            f"digest {restored.digest[:12]}, but that incarnation {held}"
+        )
+    return (
+        f"; version {restored.version} restored with the digest incarnation "
+        f"{restored.incarnation} recorded for it"
+    )
 
 
 def _check_events(conn: Connection, inc: Incarnation) -> str:

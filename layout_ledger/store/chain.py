@@ -20,7 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from sqlalchemy import Connection
 
 # The chain value "before" the first event of a ledger.
 GENESIS = "0" * 64
@@ -68,3 +71,36 @@ def fingerprints_digest(rows: Sequence[tuple[int, int, str]]) -> str:
     ordered = [[int(layer), int(first), str(text)] for layer, first, text in sorted(rows)]
     encoded = json.dumps(ordered, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(encoded.encode()).hexdigest()
+
+
+_VERSIONED = ", ".join(f"'{kind}'" for kind in VERSIONED_KINDS)
+_CHAIN_ROWS = (
+    f"SELECT e.event_id, {', '.join('e.' + name for name in FIELDS)}, e.chain, "
+    "v.fingerprints_digest FROM events e LEFT JOIN versions v "
+    "ON v.incarnation_id = e.incarnation_id AND v.version = e.new_version "
+    f"AND e.kind IN ({_VERSIONED}) ORDER BY e.event_id"
+)
+
+
+@dataclass(frozen=True)
+class ChainWalk:
+    """The events' chain recomputed: how many rows, the head reached, the first row whose
+    stored value does not follow from the rows before it (None: none)."""
+
+    count: int
+    head: str
+    broken_at: int | None
+
+
+def walk(conn: Connection) -> ChainWalk:
+    """Recompute every event's chain value from the one before it and its own fields (with its
+    version's fingerprints digest for a start, commit or repair); stop at the first break.
+    ``verify`` reports it, and a daemon restores no version of a ledger whose chain breaks."""
+    previous = GENESIS
+    count = 0
+    for event_id, *fields, stored, digest in conn.exec_driver_sql(_CHAIN_ROWS):
+        expected = link(previous, fields, digest)
+        if stored != expected:
+            return ChainWalk(count, previous, int(event_id))
+        previous, count = expected, count + 1
+    return ChainWalk(count, previous, None)

@@ -12,6 +12,7 @@ only to what a crash cannot take back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from layout_ledger.core.content import LocalFingerprints
 from layout_ledger.core.errors import DamagedRow, LedgerError, LedgerFileError, LedgerStorageError
 from layout_ledger.core.layout import Geometry, Map, layout_digest, validate_map
 from layout_ledger.core.record import END_FOUND_UNENDED, LayoutRecord
-from layout_ledger.core.state import utc_now
+from layout_ledger.core.state import RestoredFrom, utc_now
 from layout_ledger.store import chain, maintenance
 from layout_ledger.store.connections import open_reader_engine, open_writer
 from layout_ledger.store.event_writer import EventWriter
@@ -38,6 +39,7 @@ from layout_ledger.store.migrate import upgrade_to_head
 from layout_ledger.store.origin import COLUMNS as ORIGIN_COLUMNS
 from layout_ledger.store.origin import IncarnationOrigin
 from layout_ledger.store.replay import ReplayMismatch, replay_incarnation
+from layout_ledger.store.restore_offer import NoOffer, RestoreOffer, newest_offer
 from layout_ledger.store.retention import (
     PRUNE_STEP_VERSIONS,
     PruneReport,
@@ -47,6 +49,7 @@ from layout_ledger.store.retention import (
     unverified_below,
 )
 from layout_ledger.store.rows import (
+    RESTORED_FROM_COLUMNS,
     Incarnation,
     incarnation,
     incarnation_rows,
@@ -150,6 +153,18 @@ class Ledger:
 
     # --- incarnations -------------------------------------------------------------------
 
+    def restore_offer(self, geometry: Geometry, checkpoint_digest: str) -> RestoreOffer | NoOffer:
+        """The newest committed version this ledger offers a daemon about to load
+        ``checkpoint_digest`` in ``geometry`` (``restore_offer.newest_offer``), read before any
+        incarnation starts; ``LedgerInconsistent`` when its rows do not verify."""
+        if self.record is not None:
+            raise LedgerError(
+                f"incarnation {self.record.incarnation_id} is live in this process; a restore "
+                f"offer is read before an incarnation starts"
+            )
+        with self.transaction("reading the restore offer of") as conn:
+            return newest_offer(conn, geometry, checkpoint_digest)
+
     def start_incarnation(
         self,
         geometry: Geometry,
@@ -159,10 +174,14 @@ class Ledger:
         daemon_label: str = "",
         origin: IncarnationOrigin | None = None,
         content: LocalFingerprints | None = None,
+        checkpoint_digest: str | None = None,
+        restored_from: RestoredFrom | None = None,
     ) -> LayoutRecord:
-        """Record a daemon start at version 0 (with its slots' ``content``, if it records it)
-        and return its record; ``origin`` says where the daemon runs (nothing recorded when
-        None)."""
+        """Record a daemon start (with its slots' ``content``, if it records it) and return its
+        record; ``origin`` says where the daemon runs (nothing recorded when None),
+        ``checkpoint_digest`` what identifies the weights it loaded. It starts at version 0 with
+        ``initial_map``, or, ``restored_from`` a committed version, at that version's number
+        and digest, ``initial_map`` being that version's map (``restore_offer``)."""
         if self.record is not None:
             raise LedgerError(
                 f"incarnation {self.record.incarnation_id} is still live in this process; "
@@ -180,19 +199,28 @@ class Ledger:
                 config_fingerprint=config_fingerprint,
                 daemon_label=daemon_label,
                 origin=origin or IncarnationOrigin(),
+                checkpoint_digest=checkpoint_digest,
+                restored_from=restored_from,
             )
             record = LayoutRecord(
-                self.journal(incarnation_id), incarnation_id, geometry, initial_map, content=content
+                self.journal(incarnation_id),
+                incarnation_id,
+                geometry,
+                initial_map,
+                content=content,
+                restored_from=restored_from,
             )
             record.start(daemon_label, at)
         self.record = record
         self._prune_quietly()
         self._start_maintenance()
         logger.info(
-            "expert layout ledger %s: incarnation %d started at version 0 (digest %s)",
+            "expert layout ledger %s: incarnation %d started at version %d (digest %s)%s",
             self.path,
             record.incarnation_id,
+            record.version,
             record.digest,
+            "" if restored_from is None else f", {restored_from.describe()}",
         )
         return record
 
@@ -424,7 +452,7 @@ class LedgerJournal:
         with ledger._journal_transaction(synced=synced) as driver:
             digest = None
             if rows is not None:
-                (versioned,) = events
+                versioned = events[0]  # a restored start's restore event follows it
                 prints = [] if fingerprints is None else _fingerprint_rows(fingerprints)
                 digest = chain.fingerprints_digest(prints) if prints else None
                 _insert_version(driver, self.incarnation_id, versioned, rows, digest)
@@ -454,10 +482,11 @@ _INSERT_VERSION = (
     "fingerprints_digest) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_ROW = "INSERT INTO layout_rows (incarnation_id, layer, version, slots) VALUES (?, ?, ?, ?)"
+_INCARNATION_EXTRA = (*ORIGIN_COLUMNS, "checkpoint_digest", *RESTORED_FROM_COLUMNS)
 _INSERT_INCARNATION = (
     "INSERT INTO incarnations (started_at, config_fingerprint, daemon_label, num_layers, "
     "num_physical_slots, num_logical_experts, initial_map, initial_digest, "
-    f"{', '.join(ORIGIN_COLUMNS)}) VALUES ({', '.join('?' * (8 + len(ORIGIN_COLUMNS)))})"
+    f"{', '.join(_INCARNATION_EXTRA)}) VALUES ({', '.join('?' * (8 + len(_INCARNATION_EXTRA)))})"
 )
 
 
@@ -470,7 +499,10 @@ def _insert_incarnation(
     config_fingerprint: str,
     daemon_label: str,
     origin: IncarnationOrigin,
+    checkpoint_digest: str | None,
+    restored_from: RestoredFrom | None,
 ) -> int:
+    restored = (None,) * 4 if restored_from is None else dataclasses.astuple(restored_from)
     cursor = driver.execute(
         _INSERT_INCARNATION,
         (
@@ -483,6 +515,8 @@ def _insert_incarnation(
             json.dumps(initial_map, separators=(",", ":")),
             layout_digest(initial_map),
             *origin.to_row(),
+            checkpoint_digest,
+            *restored,
         ),
     )
     if cursor.lastrowid is None:

@@ -135,14 +135,18 @@ class IncarnationReplay:
     ) -> None:
         self.incarnation_id = inc.incarnation_id
         self.journal = StoredEvents([], then, exact=exact)
-        self.record = LayoutRecord(
-            self.journal,
-            inc.incarnation_id,
-            inc.geometry,
-            _initial_map(conn, inc),
-            clock=self.journal.clock,
-            engine_ids=rules.check_engine_id,  # stored ids as they are: their text is verify's
-        )
+        try:
+            self.record = LayoutRecord(
+                self.journal,
+                inc.incarnation_id,
+                inc.geometry,
+                _initial_map(conn, inc),
+                clock=self.journal.clock,
+                engine_ids=rules.check_engine_id,  # stored ids as they are: their text is verify's
+                restored_from=inc.restored_from,
+            )
+        except errors.LedgerError as exc:  # the initial map does not give the restored digest
+            raise ReplayMismatch(f"incarnations row {inc.incarnation_id}: {exc}") from exc
         self.journal.record = self.record
         self.started = False
         self.last_event_id = 0  # the newest event replayed (0: none yet)
@@ -237,6 +241,11 @@ def _replay_one(
         elif kind == ev.DIRTY:
             raise ReplayMismatch(
                 f"{stored.where} does not follow a detach of that engine during its pending move"
+            )
+        elif kind == ev.RESTORE:
+            raise ReplayMismatch(
+                f"{stored.where} does not follow the start of an incarnation whose row records "
+                f"the version it restored"
             )
         else:
             busy = {busy_kind: verb for verb, busy_kind in ev.BUSY_KINDS.items()}
@@ -482,8 +491,17 @@ def _differs(stored: StoredEvent, expected: ev.Event, record: LayoutRecord | Non
             f"{stored.where} follows engine {expected.engine_id!r}'s detach during its pending "
             f"move, where a dirty mark must be"
         )
-    if got.kind == ev.START and got.new_version != 0:
-        return f"{stored.where} starts at version {got.new_version}, not 0"
+    if got.kind == ev.START and got.new_version != expected.new_version:
+        restored = "the version its row says it restored" if expected.new_version else "0"
+        return (
+            f"{stored.where} starts at version {got.new_version}, not {expected.new_version} "
+            f"({restored})"
+        )
+    if expected.kind == ev.RESTORE and got.kind != ev.RESTORE:
+        return (
+            f"{stored.where} follows the start of an incarnation whose row records a restore, "
+            f"where the restore event must be"
+        )
     if got.kind in (ev.COMMIT, ev.ABORT) and _move_of(got) != _move_of(expected):
         return _not_the_pending_move(stored, expected)
     fields = [

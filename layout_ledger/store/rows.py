@@ -22,7 +22,8 @@ from layout_ledger.core.errors import (
     LedgerInconsistent,
     LedgerStorageError,
 )
-from layout_ledger.core.layout import Geometry, Map
+from layout_ledger.core.layout import Geometry, Map, is_digest
+from layout_ledger.core.state import RestoredFrom
 from layout_ledger.store.origin import COLUMNS as ORIGIN_COLUMNS
 from layout_ledger.store.origin import IncarnationOrigin
 
@@ -38,9 +39,19 @@ class Incarnation:
     config_fingerprint: str
     daemon_label: str
     origin: IncarnationOrigin = field(default_factory=IncarnationOrigin)
+    # What identifies the weights it loaded (None: older code, or a daemon that knows none).
+    checkpoint_digest: str | None = None
+    # The version it restored at its start (None: it started at version 0).
+    restored_from: RestoredFrom | None = None
+
+    @property
+    def first_version(self) -> int:
+        """The version it started at: 0, or the restored one."""
+        return 0 if self.restored_from is None else self.restored_from.version
 
 
 def _incarnation_from_row(row: Any) -> Incarnation:
+    checkpoint = row.checkpoint_digest
     return Incarnation(
         incarnation_id=row.incarnation_id,
         started_at=row.started_at,
@@ -51,7 +62,39 @@ def _incarnation_from_row(row: Any) -> Incarnation:
         config_fingerprint=row.config_fingerprint,
         daemon_label=row.daemon_label,
         origin=IncarnationOrigin.from_row(row._mapping),
+        checkpoint_digest=None if checkpoint is None else str(checkpoint),
+        restored_from=_restored_from_of(row),
     )
+
+
+def _restored_from_of(row: Any) -> RestoredFrom | None:
+    """The row's restore columns (revision 0008): all NULL, or a version another incarnation
+    committed; anything else is a ``DamagedRow``."""
+    values = [getattr(row, name) for name in RESTORED_FROM_COLUMNS]
+    incarnation_id, version, digest, source = values
+    if all(value is None for value in values[:3]) and source is None:
+        return None
+    problem = None
+    if type(incarnation_id) is not int or incarnation_id < 1:
+        problem = "restored_from_incarnation", f"{incarnation_id!r} is not an incarnation id"
+    elif type(version) is not int or version < 0:
+        problem = "restored_from_version", f"{version!r} is not a version"
+    elif not is_digest(digest):
+        problem = "restored_from_digest", f"{digest!r} is not a digest"
+    elif source is not None and not isinstance(source, str):
+        problem = "restored_from_source", f"{source!r} is not text"
+    if problem is not None:
+        raise DamagedRow("incarnations", int(row.incarnation_id), *problem)
+    return RestoredFrom(incarnation_id, version, str(digest), source)
+
+
+# The ``incarnations`` columns of a restore (revision 0008), in ``RestoredFrom``'s field order.
+RESTORED_FROM_COLUMNS = (
+    "restored_from_incarnation",
+    "restored_from_version",
+    "restored_from_digest",
+    "restored_from_source",
+)
 
 
 def _geometry_of(row: Any) -> Geometry:
@@ -85,7 +128,7 @@ def incarnation_rows(conn: Connection) -> list[Incarnation | DamagedRow]:
 _INCARNATION_COLUMNS = (
     "incarnation_id, started_at, ended_at, end_state, num_layers, num_physical_slots, "
     "num_logical_experts, initial_digest, config_fingerprint, daemon_label, "
-    + ", ".join(ORIGIN_COLUMNS)
+    + ", ".join((*ORIGIN_COLUMNS, "checkpoint_digest", *RESTORED_FROM_COLUMNS))
 )
 
 
@@ -129,19 +172,23 @@ def current_version(conn: Connection, incarnation_id: int) -> tuple[int, str]:
     ).first()
     if row is None:
         raise LedgerStorageError(
-            f"incarnation {incarnation_id} has no version rows (not even version 0); the ledger "
+            f"incarnation {incarnation_id} has no version rows (not even its first); the ledger "
             f"is damaged, run `layout-ledger verify`"
         )
     return int(row.version), str(row.digest)
 
 
 def reconstructible_from(conn: Connection, incarnation_id: int) -> int:
-    """The oldest version whose whole map the rows still hold (raised by ``prune``)."""
-    value = conn.execute(
-        text("SELECT max(base_version) FROM events WHERE incarnation_id = :i AND kind = :k"),
+    """The oldest version whose whole map the rows still hold: the incarnation's first version
+    (0, or the one it restored; ``versions`` rows are never pruned), raised by ``prune``."""
+    pruned, first = conn.execute(
+        text(
+            "SELECT (SELECT max(base_version) FROM events WHERE incarnation_id = :i AND kind = :k),"
+            " (SELECT min(version) FROM versions WHERE incarnation_id = :i)"
+        ),
         {"i": incarnation_id, "k": ev.PRUNE},
-    ).scalar()
-    return int(value or 0)
+    ).one()
+    return max(int(pruned or 0), int(first or 0))
 
 
 # One statement, one index seek per layer: for each layer 0..n-1, the newest row at or before

@@ -28,7 +28,7 @@ from sqlalchemy import (
 # Mixed versions: a writer upgrades an older file to this revision when it opens it; a file at
 # a revision not in KNOWN_REVISIONS was written by newer code and is refused by every opener,
 # read-only ones included, because its tables may no longer mean what this code assumes.
-SCHEMA_HEAD = "0007_fingerprint_digests"
+SCHEMA_HEAD = "0008_restored_layouts"
 KNOWN_REVISIONS = (
     "0001_initial",
     "0002_forensic_views",
@@ -37,6 +37,7 @@ KNOWN_REVISIONS = (
     "0005_slot_fingerprints",
     "0006_engine_roles",
     "0007_fingerprint_digests",
+    "0008_restored_layouts",
 )
 
 metadata = MetaData()
@@ -66,6 +67,15 @@ incarnations = Table(
     Column("socket_path", Text),
     Column("sglang_version", Text),
     Column("plugin_version", Text),
+    # What identifies the weights the daemon loaded (its checkpoint's config and index, dtype,
+    # quantization): a restore needs the same; NULL for rows of older code (0008).
+    Column("checkpoint_digest", Text),
+    # The committed version whose number and digest the incarnation started at (a restore,
+    # layout_ledger.core.state.RestoredFrom); all NULL for a start at version 0 (0008).
+    Column("restored_from_incarnation", Integer),
+    Column("restored_from_version", Integer),
+    Column("restored_from_digest", Text),
+    Column("restored_from_source", Text),
     CheckConstraint(
         "end_state IS NULL OR end_state IN ('clean', 'dirty', 'unknown')",
         name="ck_incarnations_end_state",

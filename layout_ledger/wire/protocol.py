@@ -16,8 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from layout_ledger.core.content import is_fingerprint
-from layout_ledger.core.layout import Map
-from layout_ledger.core.state import ROLES, ContentState, Cordon, LayoutState, PendingMove
+from layout_ledger.core.layout import Map, is_digest
+from layout_ledger.core.state import (
+    ROLES,
+    ContentState,
+    Cordon,
+    LayoutState,
+    PendingMove,
+    RestoredFrom,
+)
 
 # --- names ------------------------------------------------------------------------------------
 
@@ -65,13 +72,6 @@ UNKNOWN_REQUEST_PREFIX = "Unknown request type"
 
 class ProtocolViolation(Exception):
     """A reply that does not have the shape docs/protocol.md gives it."""
-
-
-def is_digest(value: Any) -> bool:
-    """64 lowercase hex characters, the form of every digest on the wire."""
-    return (
-        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
-    )
 
 
 # --- the layout state -------------------------------------------------------------------------
@@ -123,6 +123,9 @@ class LayoutView:
     # from before roles sends neither: read as none).
     standbys: tuple[str, ...] = ()
     leases: tuple[str, ...] = ()
+    # The committed version the daemon's incarnation restored at its start (None: it started at
+    # version 0; a daemon from before restores sends none). Its source is in the ledger only.
+    restored_from: RestoredFrom | None = None
 
     @classmethod
     def of(cls, state: LayoutState) -> LayoutView:
@@ -138,6 +141,7 @@ class LayoutView:
             non_following_fetch=state.non_following_fetch,
             standbys=tuple(state.standbys),
             leases=tuple(state.leases),
+            restored_from=state.restored_from,
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -152,6 +156,7 @@ class LayoutView:
             "non_following_fetch": self.non_following_fetch,
             "standbys": list(self.standbys),
             "leases": list(self.leases),
+            "restored_from": None if self.restored_from is None else self.restored_from.to_wire(),
         }
 
     @classmethod
@@ -198,7 +203,25 @@ class LayoutView:
             non_following_fetch=non_following,
             standbys=tuple(standbys),
             leases=tuple(leases),
+            restored_from=restored_from_wire(raw.get("restored_from")),
         )
+
+
+def restored_from_wire(raw: Any) -> RestoredFrom | None:
+    """The ``restored_from`` field (None, absent: nothing restored); ``ProtocolViolation``
+    naming what is wrong otherwise."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ProtocolViolation(f"restored_from is a {type(raw).__name__}, not a dict or null")
+    incarnation, version, digest = (raw.get(k) for k in ("incarnation", "version", "digest"))
+    if type(incarnation) is not int or incarnation < 1:
+        raise ProtocolViolation(f"restored_from.incarnation {incarnation!r} is not an id")
+    if type(version) is not int or version < 0:
+        raise ProtocolViolation(f"restored_from.version {version!r} is not a non-negative int")
+    if not is_digest(digest):
+        raise ProtocolViolation(f"restored_from.digest {digest!r} is not a digest")
+    return RestoredFrom(incarnation, version, str(digest))
 
 
 def _fingerprint_layers(raw: Any, what: str) -> dict[int, tuple[str, ...]]:

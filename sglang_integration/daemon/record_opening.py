@@ -2,8 +2,10 @@
 
 The load hook (a real daemon), the model-less daemon and the one-GPU check's stand-in all open
 it the same way: the ledger file (its one writer) with the retention the settings say, a new
-incarnation at version 0 from the initial map with where it runs and the slots' fingerprints,
-then the check that replicas hold the same bytes. Nothing here reads sglang.
+incarnation (at version 0 from the initial map, or, on a ledger opened before the load, in the
+layout its restore plan loaded: ``start_planned_record``) with where it runs and the slots'
+fingerprints, then the check that replicas hold the same bytes, and for a restore that each
+slot holds what the ledger recorded for its expert. Nothing here reads sglang.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from layout_ledger.store.origin import IncarnationOrigin
 from layout_ledger.store.retention import Retention
 from sglang_integration import settings
 from sglang_integration.content.model_slots import ModelSlots
+from sglang_integration.daemon.restore import RestorePlan, check_restored_content
 from sglang_integration.settings import ContentCheck
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,40 @@ def open_ledger_record(
         ledger.close()
         raise
     return ledger, record
+
+
+def start_planned_record(
+    ledger: Ledger,
+    geometry: Geometry,
+    restore: RestorePlan,
+    *,
+    checkpoint_digest: str,
+    config_fingerprint: str,
+    daemon_label: str,
+    origin: IncarnationOrigin | None,
+    content: LocalFingerprints | None,
+    mode: ContentCheck,
+) -> LayoutRecord:
+    """On a ledger opened before the load: the incarnation in the layout the load used (the
+    restored version, or version 0), then the checks of what was loaded (the replicas, and
+    for a restore, each slot against what the ledger recorded for its expert)."""
+    try:
+        record = ledger.start_incarnation(
+            geometry,
+            restore.physical_to_logical_map,
+            config_fingerprint=config_fingerprint,
+            daemon_label=daemon_label,
+            origin=origin,
+            content=content,
+            checkpoint_digest=checkpoint_digest,
+            restored_from=restore.restored_from,
+        )
+    except BaseException:
+        ledger.close()
+        raise
+    check_loaded_content(record, mode)
+    check_restored_content(record, restore, mode)
+    return record
 
 
 def loaded_fingerprints(slots: ModelSlots | None, mode: ContentCheck) -> LocalFingerprints | None:

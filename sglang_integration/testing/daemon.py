@@ -2,7 +2,8 @@
 
     python -m sglang_integration.testing.daemon --socket PATH --ledger PATH \\
         --num-layers L --num-logical-experts E --num-physical-experts P [--no-record] \\
-        [--experts DIR --expert-rank R] [--expert-layout-content-check enforce|warn|off]
+        [--experts DIR --expert-rank R] [--expert-layout-content-check enforce|warn|off] \\
+        [--expert-layout-restore last|initial]
 
 runs sglang's real ``WeightCacheDaemon.serve`` loop and ``_handle_connection`` with this
 plugin's hooks, serving no tensors. Its initial layout is sglang's trivial one (slot i holds
@@ -119,6 +120,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"enforce, warn or off (default: {CONTENT_CHECK.env}, else "
         f"{CONTENT_CHECK.default_text})",
     )
+    parser.add_argument(
+        "--expert-layout-restore",
+        choices=settings.RESTORE_CHOICES,
+        default=None,
+        help=f"last or initial (default: {settings.RESTORE.env}, else "
+        f"{settings.RESTORE.default_text}); the model-less daemon reloads no weights, so its "
+        f"expert files must hold the layout it restores",
+    )
     parser.add_argument("--keep-versions", type=int, default=settings.DEFAULT_KEEP_VERSIONS)
     parser.add_argument("--prune-every", type=int, default=settings.DEFAULT_PRUNE_EVERY)
     parser.add_argument(
@@ -140,6 +149,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if needs_ledger and not args.ledger:
         parser.error("--ledger is required (or pass --no-record / --in-memory)")
     try:
+        settings.RESTORE.export(args.expert_layout_restore, "--expert-layout-restore")
         if args.request_timeout is None:
             args.request_timeout = REQUEST_TIMEOUT.read()
         else:
@@ -252,12 +262,14 @@ def open_layout_service(
     commit, and answers the content check and repairs from them, as
     ``--expert-layout-content-check`` (else ``settings.CONTENT_CHECK``) says.
     """
+    from sglang_integration.daemon.checkpoint_identity import checkpoint_digest
     from sglang_integration.daemon.record_opening import (
         check_loaded_content,
         config_fingerprint,
         loaded_fingerprints,
-        open_ledger_record,
+        start_planned_record,
     )
+    from sglang_integration.daemon.restore import open_before_load, restore_before_load
     from sglang_integration.testing.expert_files import GatedSlots, expert_file_slots
 
     if args.no_record:
@@ -277,11 +289,25 @@ def open_layout_service(
         record = LayoutRecord.in_memory(geometry, initial_map, content=content)
         check_loaded_content(record, mode)
         return LayoutService(record, source), None
-    ledger, record = open_ledger_record(
-        args.ledger,
+    opened = open_before_load(
+        args.ledger, Retention(keep_versions=args.keep_versions, prune_every=args.prune_every)
+    )
+    if opened.ledger is None:
+        raise LedgerError(opened.problem)
+    # A daemon alone (no process group); its weights (none, or the expert files) are what it
+    # "loaded into" the plan's layout: a harness that restores writes the files in that map.
+    restore = restore_before_load(
+        opened,
+        None,
+        geometry=geometry,
+        checkpoint_digest=checkpoint_digest(cache_config["model_path"]),
+        initial_map=initial_map,
+    )
+    record = start_planned_record(
+        opened.ledger,
         geometry,
-        initial_map,
-        retention=Retention(keep_versions=args.keep_versions, prune_every=args.prune_every),
+        restore,
+        checkpoint_digest=checkpoint_digest(cache_config["model_path"]),
         config_fingerprint=config_fingerprint(cache_config),
         daemon_label=f"model-less pid={os.getpid()} socket={args.socket}",
         origin=IncarnationOrigin.of_this_process(
@@ -293,9 +319,9 @@ def open_layout_service(
             socket_path=args.socket,
         ),
         content=content,
+        mode=mode,
     )
-    check_loaded_content(record, mode)
-    return LayoutService(record, source), ledger
+    return LayoutService(record, source), opened.ledger
 
 
 def content_mode(args: argparse.Namespace) -> ContentCheck:

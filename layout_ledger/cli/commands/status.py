@@ -30,7 +30,7 @@ from layout_ledger.cli.time_text import ago
 from layout_ledger.core import events as ev
 from layout_ledger.core.content import ExpertContents
 from layout_ledger.core.errors import LedgerError, LedgerFileError
-from layout_ledger.core.state import Cordon, DirtyMark, PendingMove
+from layout_ledger.core.state import Cordon, DirtyMark, PendingMove, RestoredFrom
 from layout_ledger.history.liveness import Liveness, daemon_liveness
 from layout_ledger.history.reader import LedgerReader
 from layout_ledger.history.retirement import RetirementStep, current_retirement
@@ -114,6 +114,10 @@ def _cordon_json(cordon: Cordon | None) -> JsonObject | None:
     return None if cordon is None else {"since": cordon.since, "reason": cordon.reason}
 
 
+def _restored_json(restored: RestoredFrom | None) -> JsonObject | None:
+    return None if restored is None else dict(restored.to_wire())
+
+
 @dataclass(frozen=True)
 class StatusReport(JsonShaped):
     """One incarnation's state, as a restarted daemon would derive it, plus what happened."""
@@ -149,6 +153,10 @@ class StatusReport(JsonShaped):
     # Per layer, the groups of logical experts the daemon's recorded slots show with the same
     # bytes (tied), from the fingerprints and the map at the current version.
     tied_experts: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
+    # The committed version the incarnation restored at its start (None: it started at 0).
+    restored_from: RestoredFrom | None = field(
+        default=None, metadata=json_field(convert=_restored_json)
+    )
     # When it was collected: the text says how long ago each time it shows was.
     observed_at: datetime.datetime | None = field(default=None, metadata=json_field(omit=True))
 
@@ -245,6 +253,7 @@ def collect_status(
             leases=tuple(derived.leases),
             retired=current_retirement(ledger.path, i) if is_latest else None,
             tied_experts=_tied_experts(conn, inc, version),
+            restored_from=inc.restored_from,
             observed_at=observed_at,
         )
 
@@ -425,11 +434,7 @@ def render_status(report: StatusReport) -> list[str]:
         ("ledger", report.path),
         ("incarnation", f"{inc.incarnation_id} of {report.incarnation_count} ({life})"),
         *origin_rows(inc.origin, inc.config_fingerprint),
-        (
-            "geometry",
-            f"{geometry.num_layers} layers x {geometry.num_physical_slots} physical slots, "
-            f"{geometry.num_logical_experts} logical experts",
-        ),
+        ("geometry", geometry.describe()),
         ("version", str(report.version)),
         ("digest", report.digest),
         ("history held", f"versions {report.reconstructible_from}..{report.version}"),
@@ -458,6 +463,15 @@ def _refusals_text(report: StatusReport) -> str:
 def _optional_rows(report: StatusReport) -> list[tuple[str, str]]:
     """The rows shown only when they say something: busy begins, a cordon, a retirement."""
     rows = []
+    if report.restored_from is not None:
+        restored = report.restored_from
+        rows.append(
+            (
+                "restored",
+                f"{restored.describe().removeprefix('restored ')} (digest {restored.digest[:12]}) "
+                f"at its start",
+            )
+        )
     if report.busy_begins:
         rows.append(("busy begins", f"{report.busy_begins} (answered busy, not refused)"))
     if report.cordon is not None:
