@@ -14,7 +14,9 @@ prune`` runs on the stopped ledger. Then the daemon restarts on the same ledger,
 - the killed incarnation's state, derived from its rows by the replay every reader uses, must
   be what the engine saw: its version the last acknowledged one (or one more, when a commit was
   in flight and landed), the move it had begun still pending (or, with a begin in flight, that
-  move or none), ended ``unknown`` (restarts with a wrong state: 0);
+  move or none), ended ``unknown``; and the restarted incarnation must restore the killed one's
+  newest committed version, at its number and digest (the engine starts from the layout its
+  attach reply names) (restarts with a wrong state: 0);
 - ``verify``'s checks of that incarnation, and every 50 kills and at the end all of ``verify``,
   must pass (verify failures: 0);
 - the daemon never failed to restart (daemon start failures: 0).
@@ -40,11 +42,12 @@ from pathlib import Path
 from deepseek_geometry import DEEPSEEK_V3
 from layout_ledger.cli.commands.prune import prune_ledger
 from layout_ledger.core.errors import LedgerError
-from layout_ledger.core.layout import Geometry, layout_digest, trivial_map
+from layout_ledger.core.layout import Geometry, layout_digest
+from layout_ledger.core.state import RestoredFrom
 from layout_ledger.history.checks import collect_verify, verify_incarnation
 from layout_ledger.history.reader import LedgerReader
 from layout_ledger.store.replay import replayed
-from layout_ledger.store.rows import incarnation
+from layout_ledger.store.rows import current_version, incarnation
 from sglang_integration.engine import client
 from sglang_integration.testing.daemon_control import DaemonProcess, start_daemon
 
@@ -74,7 +77,8 @@ while True:
 class Stream:
     """What the engine saw of one daemon incarnation."""
 
-    version: int = 0
+    version: int = 0  # from the attach reply's layout on: the incarnation may have restored one
+    attached: bool = False
     digests: dict[int, str] = field(default_factory=dict)  # acknowledged commits
     pending: tuple[int, ...] | None = None  # the move whose begin was acknowledged
     in_flight: tuple[str, tuple[int, ...], str | None] | None = None  # (verb, layers, digest)
@@ -105,11 +109,12 @@ def _engine(daemon: DaemonProcess, geometry: Geometry, stream: Stream, seed: int
     rng = random.Random(seed)
     engine_id = f"engine-{seed}"
     attachment = client.attach(daemon.socket_path, engine_id)
-    if not attachment.reply.ok:
+    layout = attachment.reply.layout
+    if not attachment.reply.ok or layout is None:
         return
-    current = trivial_map(
-        geometry.num_layers, geometry.num_physical_slots, geometry.num_logical_experts
-    )
+    # The incarnation restored the killed one's last committed version (or started at 0).
+    stream.version, current = layout.version, layout.physical_to_logical_map
+    stream.attached = True
     try:
         while True:
             count = rng.choice([1, geometry.num_layers // 2, geometry.num_layers])
@@ -154,6 +159,8 @@ def _check_incarnation(path: Path, incarnation_id: int, stream: Stream, tally: T
     if lost:
         tally.problem(f"incarnation {incarnation_id}: acknowledged versions {lost} lost")
     expected = _expected_states(stream, recorded)
+    if not stream.attached:  # killed before the engine attached: as it started
+        expected = [(inc.first_version, None)]
     actual = (record.version, None if record.pending is None else record.pending.layers)
     if actual not in expected or inc.end_state != "unknown":
         tally.wrong_states += 1
@@ -166,6 +173,20 @@ def _check_incarnation(path: Path, incarnation_id: int, stream: Stream, tally: T
     if failed:
         tally.verify_failures += 1
         tally.problem(f"verify: {failed[0].label}: {failed[0].detail}")
+
+
+def _check_restore(path: Path, incarnation_id: int, tally: Tally) -> None:
+    """The restarted incarnation starts at the killed one's newest committed version, with its
+    digest (at 0 when it committed none): a version number never names two maps."""
+    with LedgerReader(path) as ledger, ledger.connect() as conn:
+        inc = incarnation(conn, incarnation_id)
+        newest, digest = current_version(conn, incarnation_id - 1)
+    expected = None if newest == 0 else RestoredFrom(incarnation_id - 1, newest, digest)
+    if inc.restored_from != expected:
+        tally.wrong_states += 1
+        tally.problem(
+            f"incarnation {incarnation_id} restored {inc.restored_from}; expected {expected}"
+        )
 
 
 def _expected_states(
@@ -198,6 +219,7 @@ def run_campaign(
                 break
             if killed is not None:  # the restart ended the killed incarnation: check it now
                 _check_incarnation(path, kill - 1, killed, tally)
+                _check_restore(path, kill, tally)
             if kill > kills:
                 daemon.stop()
                 break

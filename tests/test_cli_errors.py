@@ -117,7 +117,7 @@ def test_an_unusable_file_gives_one_line_and_exit_2_and_stays_as_it_was(
     [
         (
             "DELETE FROM versions WHERE incarnation_id = 2",
-            "incarnation 2 has no version rows (not even version 0); the ledger is damaged, run "
+            "incarnation 2 has no version rows (not even its first); the ledger is damaged, run "
             "`layout-ledger verify`",
         ),
         (

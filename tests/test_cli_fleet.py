@@ -246,13 +246,16 @@ def test_a_path_that_names_no_ledger_is_unusable(tmp_path, capsys):
 # --- real daemons ---------------------------------------------------------------------------
 
 
-def _daemons(directory: Path, only: int | None = None):
+def _daemons(directory: Path, only: int | None = None, restore: str = "last"):
     """Model-less daemons for ranks 0 and 1 (or only rank ``only``), each its own ledger."""
     started = [
         start_daemon(
             directory,
             f"daemon{rank}",
-            extra=["--tp-rank", str(rank), "--ep-rank", str(rank), "--device-uuid", f"cpu-{rank}"],
+            extra=[
+                *("--tp-rank", str(rank), "--ep-rank", str(rank), "--device-uuid", f"cpu-{rank}"),
+                *("--expert-layout-restore", restore),
+            ],
         )
         for rank in ((0, 1) if only is None else (only,))
     ]
@@ -262,6 +265,8 @@ def _daemons(directory: Path, only: int | None = None):
 def test_two_real_daemons_adopt_then_a_sigkilled_one_fails_and_its_restart_disagrees(
     tmp_path, capsys
 ):
+    """The restart loads sglang's initial layout (``--expert-layout-restore initial``): with the
+    default it restores version 1 and agrees (tests/test_daemon_restore.py)."""
     daemons = _daemons(tmp_path)
     engine = [EngineStandIn.start(d.socket_path, "engine-a") for d in daemons]
     paths = [d.ledger_path for d in daemons]
@@ -285,7 +290,7 @@ def test_two_real_daemons_adopt_then_a_sigkilled_one_fails_and_its_restart_disag
             "rank 1 not running (no clean end recorded); rank 0 at version 1 "
             f"(digest {report['ledgers'][0]['digest'][:12]})"
         )
-        daemons[1] = _daemons(tmp_path, only=1)
+        daemons[1] = _daemons(tmp_path, only=1, restore="initial")
         code, report = fleet_json(capsys, *paths)
         assert code == exit_codes.INCONSISTENT
         assert report["verdict"]["reason"].endswith(

@@ -61,8 +61,8 @@ STANDBY_ATTACH_REASON = "role: standby"
 
 ALL_KINDS: tuple[str, ...] = (
     START,
-    RESTORE,
     END,
+    RESTORE,
     ATTACH,
     DETACH,
     BEGIN,

@@ -492,10 +492,9 @@ def _differs(stored: StoredEvent, expected: ev.Event, record: LayoutRecord | Non
             f"move, where a dirty mark must be"
         )
     if got.kind == ev.START and got.new_version != expected.new_version:
-        restored = "the version its row says it restored" if expected.new_version else "0"
-        return (
-            f"{stored.where} starts at version {got.new_version}, not {expected.new_version} "
-            f"({restored})"
+        restored = " (the version its row says it restored)" if expected.new_version else ""
+        return f"{stored.where} starts at version {got.new_version}, not {expected.new_version}" + (
+            restored
         )
     if expected.kind == ev.RESTORE and got.kind != ev.RESTORE:
         return (
