@@ -19,11 +19,12 @@ page has keeps the same lines left out).
 The incidents (the directory: the section of docs/operations.md):
 
 - ``dirty``: "... because a daemon is dirty": engine-a detached during its move from version 4;
-- ``disagree``: "... because the daemons disagree": rank 0 at version 20, rank 1 restarted;
+- ``disagree``: "... because the daemons disagree": rank 0 at version 20, rank 1 restarted at
+  version 0 (``--expert-layout-restore initial``);
 - ``pending``: "... because a move is pending, or stuck": engine-stuck began a move at 20;
 - ``paused``: "Rebalancing paused": engine-standby attached beside engine-stuck, two busy begins;
 - ``died``: "A daemon died, or restarted": rank 1's daemon killed at version 20; ``restarted``:
-  the same, then started again (a second incarnation);
+  the same, then started again (a second incarnation, which restores version 20);
 - ``backup``: "Backups": rank 0 at version 20, running.
 """
 
@@ -46,12 +47,16 @@ from typing import Any
 from layout_ledger.core import errors
 from layout_ledger.core.layout import Geometry, trivial_map
 from layout_ledger.core.record import LayoutRecord
+from layout_ledger.core.state import RestoredFrom
 from layout_ledger.store.ledger import Ledger
 from layout_ledger.store.origin import IncarnationOrigin
+from layout_ledger.store.restore_offer import RestoreOffer
 
 BIN = Path(sys.executable).parent
 GEOMETRY = Geometry(num_layers=8, num_physical_slots=12, num_logical_experts=8)
 DEFAULT_DIR = Path("/tmp/layout-ledger-runbook")
+# What every incarnation records as its checkpoint's identity (one model throughout).
+CHECKPOINT = "0" * 63 + "1"
 INCIDENTS = ("dirty", "disagree", "pending", "paused", "died", "restarted", "backup")
 
 
@@ -69,16 +74,30 @@ def _rebalance(record: LayoutRecord, engine: str, step: int) -> None:
         record.commit(engine, {layer: _row(step, layer) for layer in layers})
 
 
-def _start(path: Path, rank: int) -> tuple[Ledger, LayoutRecord]:
+def _start(path: Path, rank: int, *, restore: bool = False) -> tuple[Ledger, LayoutRecord]:
+    """A daemon's start: at version 0, or (``restore``) at the ledger's last committed version,
+    as a daemon with ``--expert-layout-restore last`` whose ledger offers it."""
     ledger = Ledger.open(path)
     origin = IncarnationOrigin.of_this_process(
         tp_rank=rank, ep_rank=rank, socket_path=str(path.with_suffix(".sock"))
     )
-    initial = trivial_map(
+    the_map = trivial_map(
         GEOMETRY.num_layers, GEOMETRY.num_physical_slots, GEOMETRY.num_logical_experts
     )
+    restored = None
+    offer = ledger.restore_offer(GEOMETRY, CHECKPOINT) if restore else None
+    if isinstance(offer, RestoreOffer):
+        the_map = offer.physical_to_logical_map
+        restored = RestoredFrom(offer.incarnation, offer.version, offer.digest)
     label = f"model-less pid={origin.pid} socket={origin.socket_path}"
-    record = ledger.start_incarnation(GEOMETRY, initial, daemon_label=label, origin=origin)
+    record = ledger.start_incarnation(
+        GEOMETRY,
+        the_map,
+        daemon_label=label,
+        origin=origin,
+        checkpoint_digest=CHECKPOINT,
+        restored_from=restored,
+    )
     return ledger, record
 
 
@@ -134,7 +153,8 @@ def _restarted(path: Path, rank: int) -> None:
         _at_version_20(path, rank)
         return
     _died_first(path, rank)
-    _start(path, rank)  # records the first incarnation's end as found unended
+    # restores version 20, and records the first incarnation's end as found unended
+    _start(path, rank, restore=True)
 
 
 def _died_first(path: Path, rank: int) -> None:
@@ -148,7 +168,7 @@ def _died_first(path: Path, rank: int) -> None:
 
 def _disagree_rank1(path: Path, rank: int) -> None:
     _died_first(path, rank)
-    _start(path, rank)
+    _start(path, rank)  # at version 0, as with --expert-layout-restore initial
 
 
 def _build_and_die(path: Path, rank: int) -> None:

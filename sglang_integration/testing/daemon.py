@@ -296,18 +296,16 @@ def open_layout_service(
         raise LedgerError(opened.problem)
     # A daemon alone (no process group); its weights (none, or the expert files) are what it
     # "loaded into" the plan's layout: a harness that restores writes the files in that map.
+    # Its checkpoint is the same whatever its geometry (a model with more redundant experts).
+    checkpoint = checkpoint_digest(MODEL_ARCH)
     restore = restore_before_load(
-        opened,
-        None,
-        geometry=geometry,
-        checkpoint_digest=checkpoint_digest(cache_config["model_path"]),
-        initial_map=initial_map,
+        opened, None, geometry=geometry, checkpoint_digest=checkpoint, initial_map=initial_map
     )
     record = start_planned_record(
         opened.ledger,
         geometry,
         restore,
-        checkpoint_digest=checkpoint_digest(cache_config["model_path"]),
+        checkpoint_digest=checkpoint,
         config_fingerprint=config_fingerprint(cache_config),
         daemon_label=f"model-less pid={os.getpid()} socket={args.socket}",
         origin=IncarnationOrigin.of_this_process(

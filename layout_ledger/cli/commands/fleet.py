@@ -258,7 +258,8 @@ def _finding(rank: int, item: LedgerOverview) -> RankFinding:
             FindingKind.NO_DAEMON,
             socket_path,
             inc.initial_digest,
-            reason=f"{item.liveness.detail}; a daemon started now begins at version 0",
+            reason=f"{item.liveness.detail}; a daemon started now restores its last committed "
+            f"layout or begins at version 0",
         )
     pending = item.state.pending
     since = "" if pending is None or pending.since is None else f" since {pending.since}"
