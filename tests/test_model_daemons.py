@@ -15,6 +15,7 @@ file) is judged against the checkpoint (``testing.checkpoint_experts``):
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from sglang_integration.testing.checkpoint import CheckpointSpec, write_checkpoint
+from sglang_integration.testing.checkpoint import main as checkpoint_main
 from sglang_integration.testing.checkpoint_experts import CheckpointExperts, slots_holding
 from sglang_integration.testing.daemon_control import request
 from sglang_integration.testing.daemons import ModelDaemonGroup, start_model_daemons
@@ -109,3 +111,64 @@ def test_the_daemon_records_the_loaded_map_at_version_0_with_one_fingerprint_per
         )
         assert all(len(values) == LOCAL for values in content["recorded"].values())
         assert content["current"] == content["recorded"]
+
+
+def test_the_two_commands_write_a_checkpoint_and_serve_it_until_sigterm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The contract of ``checkpoint write`` and ``daemons``, run as a person runs them: the
+    checkpoint command refuses a non-empty directory; the group serves ``RUN/rank{R}.sock`` with
+    ``RUN/rank{R}.sqlite``, passes the daemon flags on (content check off: no fingerprints), a
+    SIGKILL of one rank is that daemon's crash alone, and SIGTERM stops the rest cleanly."""
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+
+    checkpoint, run = tmp_path / "deepseek", tmp_path / "run"
+    write = [
+        sys.executable,
+        "-m",
+        "sglang_integration.testing.checkpoint",
+        "write",
+        str(checkpoint),
+    ]
+    first = subprocess.run(
+        [*write, "--model", "deepseek_v3", "--seed", "3"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith(f"wrote {checkpoint}: deepseek_v3 bf16, 3 layers (2 MoE)")
+    assert checkpoint_main(["write", str(checkpoint), "--model", "deepseek_v3"]) == 2
+    assert "is not an empty directory" in capsys.readouterr().err
+    command = [
+        sys.executable, "-m", "sglang_integration.testing.daemons", "--model", "deepseek_v3",
+        "--checkpoint", str(checkpoint), "--ep-size", "2", "--dir", str(run),
+        "--num-redundant-experts", "2", "--expert-layout-content-check", "off",
+    ]  # fmt: skip
+    group = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert group.stdout is not None
+        lines = [group.stdout.readline() for _ in range(2)]
+        pids = [int(line.split()[3]) for line in lines]
+        assert [line.split()[4:] for line in lines] == [
+            ["socket", f"{run}/rank{rank}.sock", "ledger", f"{run}/rank{rank}.sqlite"]
+            for rank in range(2)
+        ]
+        off = request(run / "rank0.sock", {"type": "expert_layout_content_check"})
+        assert off["status"] == "no_record"
+        os.kill(pids[1], signal.SIGKILL)
+        assert request(run / "rank0.sock", {"type": "ping"}) == {"status": "ok"}
+        assert group.poll() is None
+        group.send_signal(signal.SIGTERM)
+        assert group.wait(60) == 0
+    finally:
+        group.kill()
+    with sqlite3.connect(f"file:{run}/rank0.sqlite?mode=ro", uri=True) as ledger:
+        assert ledger.execute("SELECT end_state FROM ledger_incarnations").fetchall() == [
+            ("clean",)
+        ]
+    with sqlite3.connect(f"file:{run}/rank1.sqlite?mode=ro", uri=True) as ledger:
+        assert ledger.execute("SELECT end_state FROM ledger_incarnations").fetchall() == [(None,)]
