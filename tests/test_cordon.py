@@ -229,6 +229,26 @@ def test_cordon_of_a_daemon_without_a_record_is_nothing_to_do_and_a_dead_socket_
     assert json.loads(out)["daemons"][0]["result"] == "not_running"
 
 
+def test_cordon_fails_with_exit_1_on_a_daemon_that_does_not_know_cordons(tmp_path, capsys):
+    # sglang's own daemon (no plugin) keeps a weight cache but knows no cordon: a stop script
+    # must not go on as if no move could begin there (an older plugin answers the same way).
+    daemon = start_daemon(tmp_path, record="no-plugin")
+    try:
+        for verb in ("cordon", "uncordon"):
+            code, out, err = run_cli(capsys, verb, daemon.socket_path)
+            assert (code, err) == (exit_codes.FAILED, "")
+            assert out == (
+                f"{daemon.socket_path}: this daemon does not know {verb} (sglang's own daemon, "
+                f"or this plugin from before cordons): Unknown request type: "
+                f"expert_layout_{verb}\n"
+            )
+        code, out, _ = run_cli(capsys, "cordon", daemon.socket_path, "--json")
+        assert code == exit_codes.FAILED
+        assert json.loads(out)["daemons"][0]["result"] == "older_daemon"
+    finally:
+        daemon.kill()
+
+
 def test_a_cordon_request_with_a_bad_reason_is_refused_by_the_daemon(tmp_path):
     daemon = start_daemon(tmp_path)
     try:
