@@ -9,7 +9,10 @@ break without any other test noticing; each test names its rule and breaks where
   refused with the advice to upgrade the engine or restart the daemon, whether or not an engine
   is attached.
 - The content check marks a daemon dirty for content that moved without a commit in every layer
-  that no pending move is changing, a move pending or not.
+  that no pending move is changing, a move pending or not; the commit of the move pending then
+  is refused (the layout is unknown), and changes nothing.
+- A commit whose moved-in slot holds less than the whole expert its row names (half-written,
+  or bytes of no expert), an expert the daemon knows, marks the daemon dirty.
 
 Slots are the ``content_support`` stand-ins (a fingerprint per layer and expert); records are the
 real ``LayoutRecord`` on a real ledger where the history matters (``verify`` must accept it).
@@ -18,8 +21,8 @@ real ``LayoutRecord`` on a real ledger where the history matters (``verify`` mus
 from __future__ import annotations
 
 import pytest
-from content_support import Slots, expert_fingerprint
-from ledger_support import SMALL, open_ledger
+from content_support import Slots, expert_fingerprint, half_and_half
+from ledger_support import SMALL, open_ledger, refusals_added, table_dump
 
 from layout_ledger.core import errors, rules
 from layout_ledger.core.content import ZERO, ExpertContents, LocalFingerprints
@@ -127,6 +130,33 @@ def test_a_commit_whose_moved_in_slot_of_a_new_expert_is_zero_filled_marks_the_d
         ledger.close()
 
 
+@pytest.mark.parametrize(
+    ("held", "text"),
+    [
+        ("half-written", "partial: parts 0-1 of expert 4, parts 2-3 of expert 3"),
+        ("foreign bytes", "unknown content"),
+    ],
+)
+def test_a_commit_whose_moved_in_slot_holds_less_than_the_whole_named_expert_marks_it_dirty(
+    held: str, text: str
+) -> None:
+    # Expert 4 is one this daemon holds (its fingerprint is known): a slot the move filled only
+    # in part (a transfer cut short), or with bytes of no expert, is not expert 4.
+    initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
+    slots = Slots(initial, 0, LOCAL)
+    record = LayoutRecord.in_memory(SMALL, initial, content=slots.fingerprints())
+    record.attach("A")
+    record.begin("A", 0, [2])
+    row = list(initial[2])
+    row[3] = 4
+    slots.fill(2, row)
+    bytes_now = half_and_half(2, 4, 3) if held == "half-written" else expert_fingerprint(0, 99)
+    slots.put(2, 3, bytes_now)
+    assert record.commit("A", {2: row}, slots.fingerprints)[0] == 1
+    assert record.dirty is not None and record.dirty.layers == (2,)
+    assert f"layer 2: slot 3 holds {text}, not expert 4; restart" in record.dirty.reason
+
+
 def test_committed_content_names_every_zero_filled_slot_whatever_the_daemon_knows() -> None:
     the_map = [[0, 1, 2, 7, 4, 5, 6, 7, 0, 1, 2, 3]]
     known_nothing = ExpertContents()
@@ -219,6 +249,35 @@ def test_the_content_check_marks_a_layer_no_pending_move_changes_while_a_move_is
         assert "layer 4 slot 7: expert 7 by the record, holds expert 2" in view.dirty_reason
         assert "layer 1" not in view.dirty_reason
         assert view.dirty_move is None
+        _verified(record, ledger.path)
+    finally:
+        ledger.close()
+
+
+def test_the_commit_of_a_move_pending_when_the_content_check_marked_the_daemon_is_refused(
+    tmp_path,
+) -> None:
+    # The layout is unknown once the content check marks the daemon: the mover's commit must not
+    # record a new version (an ok would tell the engine its move is known).
+    initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
+    slots = Slots(initial, 0, SMALL.num_physical_slots)
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    try:
+        record = ledger.start_incarnation(
+            SMALL, initial, config_fingerprint="t", content=slots.fingerprints()
+        )
+        record.attach("A")
+        record.begin("A", 0, [1])
+        row = list(initial[1])
+        row[0], row[3] = row[3], row[0]
+        slots.fill(1, row)
+        slots.move(4, 7, 2)  # meanwhile someone else moved expert 2 into slot 7 of layer 4
+        assert record.content_check(slots.fingerprints).dirty
+        before = table_dump(ledger.path)
+        with pytest.raises(errors.LayoutDirty, match="layer 4 slot 7"):
+            record.commit("A", {1: row}, slots.fingerprints)
+        assert refusals_added(ledger.path, before) == ["commit_refused"]
+        assert (record.version, record.dirty is not None) == (0, True)
         _verified(record, ledger.path)
     finally:
         ledger.close()
