@@ -459,24 +459,36 @@ def test_a_wait_timeout_of_0_fails_the_start_at_once_naming_the_mover(
     assert requests == [protocol.ATTACH]  # not one poll
 
 
+def _put_expert(experts: SharedExperts, slot: int, expert: int) -> None:
+    """Expert ``expert``'s bytes into ``slot`` of layer 0, in every tensor."""
+    for index, tensor in enumerate(experts.tensors):
+        tensor[0, slot] = expert_values(0, expert, index, tensor.shape[-1])
+
+
+def _left_mid_move(
+    handle: DaemonProcess, experts: SharedExperts, slot: int, expert: int
+) -> msg.ContentView:
+    """A mover began a move of layer 0, put ``expert`` into ``slot`` and was SIGKILLed: the
+    daemon is dirty; returns its content then."""
+    mover = EngineStandIn.start(handle.socket_path, "engine-a")
+    assert mover.begin(0, [0]).ok
+    _put_expert(experts, slot, expert)
+    mover.kill()
+    deadline = time.monotonic() + 30
+    while not _layout(handle).dirty:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    content = client.content_check(handle.socket_path).content
+    assert content is not None
+    return content
+
+
 def test_a_daemon_refuses_a_forged_repair_of_an_expert_it_never_held_unless_its_print_is_carried(
     tmp_path: Path,
 ) -> None:
-    from sglang_integration.testing.shared_experts import expert_values
-
     handle, experts = _daemon_of_rank_zero_of_two(tmp_path)
     try:
-        mover = EngineStandIn.start(handle.socket_path, "engine-a")
-        assert mover.begin(0, [0]).ok
-        for index, tensor in enumerate(experts.tensors):  # expert 6 (rank 1's) into slot 0
-            tensor[0, 0] = expert_values(0, 6, index, tensor.shape[-1])
-        mover.kill()
-        deadline = time.monotonic() + 30
-        while not _layout(handle).dirty:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        content = client.content_check(handle.socket_path).content
-        assert content is not None
+        content = _left_mid_move(handle, experts, 0, 6)  # expert 6 (rank 1's) into slot 0
         attachment = client.attach(handle.socket_path, "engine-b")
         row = list(INITIAL[0])
         row[0], row[6] = 6, 0
@@ -508,17 +520,7 @@ def test_a_daemon_refuses_a_repair_carrying_another_print_of_an_expert_it_record
     # as the expert the row claims) is refused and the ledger keeps its dirty mark.
     handle, experts = _daemon_of_rank_zero_of_two(tmp_path)
     try:
-        mover = EngineStandIn.start(handle.socket_path, "engine-a")
-        assert mover.begin(0, [0]).ok
-        for index, tensor in enumerate(experts.tensors):  # expert 7 (rank 1's) into slot 1
-            tensor[0, 1] = expert_values(0, 7, index, tensor.shape[-1])
-        mover.kill()
-        deadline = time.monotonic() + 30
-        while not _layout(handle).dirty:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        content = client.content_check(handle.socket_path).content
-        assert content is not None
+        content = _left_mid_move(handle, experts, 1, 7)  # expert 7 (rank 1's) into slot 1
         attachment = client.attach(handle.socket_path, "engine-b")
         row = list(INITIAL[0])  # as before the move: expert 1 in slot 1
         prints = {0: list(content.current[0])}
@@ -534,8 +536,7 @@ def test_a_daemon_refuses_a_repair_carrying_another_print_of_an_expert_it_record
         layout = _layout(handle)
         assert layout.dirty and layout.version == 0
         # Expert 1's own bytes back in slot 1: the same repair, carrying nothing, is accepted.
-        for index, tensor in enumerate(experts.tensors):
-            tensor[0, 1] = expert_values(0, 1, index, tensor.shape[-1])
+        _put_expert(experts, 1, 1)
         content = client.content_check(handle.socket_path).content
         assert content is not None
         honest = client.repair(handle.socket_path, "engine-b", {0: row}, {0: content.current[0]})
