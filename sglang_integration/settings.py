@@ -223,13 +223,6 @@ def seconds_from_zero(raw: str, name: str) -> float:
     return value
 
 
-def restore_mode(raw: str, name: str) -> RestoreMode:
-    try:
-        return RestoreMode(raw.strip().lower())
-    except ValueError:
-        raise SettingError(f"{name}={raw!r} is not one of {', '.join(RESTORE_CHOICES)}") from None
-
-
 def engine_role(raw: str, name: str) -> str:
     role = raw.strip().lower()
     if role not in ROLE_CHOICES:
@@ -237,11 +230,24 @@ def engine_role(raw: str, name: str) -> str:
     return role
 
 
-def content_check_mode(raw: str, name: str) -> ContentCheck:
-    try:
-        return ContentCheck(raw.strip().lower())
-    except ValueError:
-        raise SettingError(f"{name}={raw!r} is not one of {', '.join(CHOICES)}") from None
+E = TypeVar("E", bound=enum.Enum)
+
+
+def one_of(enum_type: type[E]) -> Callable[[str, str], E]:
+    """The parser of a setting whose values are ``enum_type``'s (case and blanks ignored)."""
+    choices = ", ".join(str(member.value) for member in enum_type)
+
+    def parse(raw: str, name: str) -> E:
+        try:
+            return enum_type(raw.strip().lower())
+        except ValueError:
+            raise SettingError(f"{name}={raw!r} is not one of {choices}") from None
+
+    return parse
+
+
+content_check_mode = one_of(ContentCheck)
+restore_mode = one_of(RestoreMode)
 
 
 LEDGER_TEMPLATE: Setting[str] = Setting(

@@ -71,6 +71,18 @@ def restore(ledger: Ledger) -> LayoutRecord:
     return start(ledger, offer.physical_to_logical_map, restored_from=restored)
 
 
+def restarted(path: Path, attach: str | None = None) -> LayoutRecord:
+    """A daemon's restart that restores (with ``attach`` attached), then its clean stop;
+    returns the record of the incarnation restored from."""
+    first = moved_ledger(path)
+    ledger = open_ledger(path)
+    record = restore(ledger)
+    if attach is not None:
+        record.attach(attach)
+    ledger.close()
+    return first
+
+
 def verified(path: Path) -> list[str]:
     with LedgerReader(path) as reader:
         report = collect_verify(reader)
@@ -228,10 +240,7 @@ def test_verify_names_a_restored_incarnation_whose_row_and_events_disagree(
     tmp_path: Path, edit: str, problem: str
 ) -> None:
     path = tmp_path / "l.sqlite"
-    moved_ledger(path)
-    ledger = open_ledger(path)
-    restore(ledger).attach("engine-b")
-    ledger.close()
+    restarted(path, attach="engine-b")
     with sqlite3.connect(path) as conn:
         conn.execute(edit)
     assert verified(path)[0] == problem
@@ -275,10 +284,7 @@ def test_status_json_history_and_the_views_show_the_restore(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "l.sqlite"
-    first = moved_ledger(path)
-    ledger = open_ledger(path)
-    restore(ledger)
-    ledger.close()
+    first = restarted(path)
     assert cli_main(["status", "--json", str(path)]) == 6  # its daemon is not running
     status = json.loads(capsys.readouterr().out)
     assert (status["version"], status["restored_from"]) == (
@@ -320,10 +326,7 @@ def test_a_downgrade_refuses_a_ledger_holding_a_restored_incarnation(tmp_path: P
     moved_ledger(path)
     _migrate(path, command.downgrade, "0007_fingerprint_digests")  # nothing restored: it goes
     assert isinstance(offered(path), NoOffer)  # back up, a ledger from before restores
-    moved_ledger(path)
-    ledger = open_ledger(path)
-    restore(ledger)
-    ledger.close()
+    restarted(path)
     with pytest.raises(SchemaDowngradeRefused, match="holds 1 restored incarnations"):
         _migrate(path, command.downgrade, "0007_fingerprint_digests")
     assert verified(path) == []
