@@ -20,7 +20,6 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from layout_ledger.core.errors import LedgerError
@@ -33,8 +32,8 @@ from layout_ledger.wire.service import LayoutService
 from sglang_integration.content.model_slots import ModelSlots, model_slots
 from sglang_integration.daemon import ledger_paths
 from sglang_integration.daemon.attach_watcher import WatcherStopped
-from sglang_integration.daemon.checkpoint_identity import checkpoint_digest
 from sglang_integration.daemon.connections import BoundedConnection
+from sglang_integration.daemon.layout_choice import chosen_before_load
 from sglang_integration.daemon.layout_side import (
     DaemonLayoutSide,
     close_daemon_layout,
@@ -48,12 +47,6 @@ from sglang_integration.daemon.record_opening import (
     loaded_fingerprints,
     open_ledger_record,
     start_planned_record,
-)
-from sglang_integration.daemon.restore import (
-    OpenedLedger,
-    RestorePlan,
-    open_before_load,
-    restore_before_load,
 )
 from sglang_integration.daemon.socket_stand_ins import (
     BacklogSocketModule,
@@ -229,63 +222,6 @@ def _daemon_slots(daemon: Any, metadata: Any, mode: ContentCheck) -> ModelSlots 
     return model_slots(daemon.model, get_parallel().moe_ep_rank * local, local)
 
 
-# --- the layout the weights load into (before the load) -------------------------------------
-
-# The attribute of a WeightCacheDaemon that holds what it decided before its load (``BeforeLoad``).
-_BEFORE_LOAD_ATTR = "_expert_layout_before_load"
-
-
-@dataclass(frozen=True)
-class BeforeLoad:
-    """What a daemon decided before its load: its ledger, opened then, the restore plan its
-    weights were loaded by, and the identity of the checkpoint it loads."""
-
-    opened: OpenedLedger
-    plan: RestorePlan
-    checkpoint_digest: str
-
-
-def layout_to_load(daemon: Any, model_config: Any, initial_map: Map, geometry: Geometry) -> Map:
-    """The map this daemon loads its weights into: the restored one, or sglang's initial one.
-
-    Called inside ``WeightCacheDaemon._initialize_eplb_expert_location_metadata`` (after
-    ``_init_distributed`` made the daemons' groups, before the loader: ``UPSTREAM_LINES``), on
-    every daemon of the engine, by the hook that installs the map as sglang's global metadata.
-    The daemon opens its ledger now (its one writer from here on), and agrees with the others
-    over sglang's world group (``restore.restore_before_load``); a daemon whose ledger cannot be
-    opened takes part, then stops, as it stopped after its load before restores.
-    """
-    from sglang.srt.distributed.parallel_state import get_world_group
-    from sglang.srt.platforms import current_platform
-
-    try:
-        path = ledger_paths.prepare_ledger_path(current_platform.get_device_uuid(daemon.gpu_id))
-    except (LedgerError, OSError) as exc:
-        opened = OpenedLedger(ledger_paths.ledger_template(), None, str(exc))
-    else:
-        opened = open_before_load(path, daemon_retention())
-    checkpoint = checkpoint_digest(
-        daemon.model_path,
-        dtype=getattr(model_config, "dtype", None),
-        quantization=daemon.quantization or getattr(model_config, "quantization", None),
-        revision=daemon.revision,
-    )
-    plan = restore_before_load(
-        opened,
-        get_world_group(),
-        geometry=geometry,
-        checkpoint_digest=checkpoint,
-        initial_map=initial_map,
-    )
-    if opened.ledger is None:
-        logger.error(
-            "the expert layout ledger cannot be opened, the daemon stops: %s", opened.problem
-        )
-        raise SystemExit(2)
-    setattr(daemon, _BEFORE_LOAD_ATTR, BeforeLoad(opened, plan, checkpoint))
-    return plan.physical_to_logical_map
-
-
 def _open_record_after_load(
     daemon: Any,
 ) -> tuple[Ledger | None, LayoutRecord | None, ModelSlots | None]:
@@ -313,7 +249,7 @@ def _open_record_after_load(
         f"pid={os.getpid()} gpu={daemon.gpu_id} tp_rank={daemon.tp_rank} "
         f"pp_rank={daemon.pp_rank} socket={daemon.socket_path}"
     )
-    before: BeforeLoad | None = getattr(daemon, _BEFORE_LOAD_ATTR, None)
+    before = chosen_before_load(daemon)
     if before is None or before.opened.ledger is None:
         # No hook chose the layout before the load (sglang's initial one): version 0.
         ledger, record = open_ledger_record(
