@@ -62,12 +62,15 @@ def layout_to_load(daemon: Any, model_config: Any, initial_map: Map, geometry: G
         opened = OpenedLedger(ledger_paths.ledger_template(), None, str(exc))
     else:
         opened = open_before_load(path, daemon_retention())
-    checkpoint = checkpoint_digest(
-        daemon.model_path,
-        dtype=getattr(model_config, "dtype", None),
-        quantization=daemon.quantization or getattr(model_config, "quantization", None),
-        revision=daemon.revision,
-    )
+    try:
+        checkpoint = checkpoint_digest(
+            daemon.model_path,
+            dtype=getattr(model_config, "dtype", None),
+            quantization=daemon.quantization or getattr(model_config, "quantization", None),
+            revision=daemon.revision,
+        )
+    except OSError as exc:  # the daemons then load different checkpoints: none restores
+        checkpoint = f"unreadable: {exc}"
     plan = restore_before_load(
         opened,
         get_world_group(),

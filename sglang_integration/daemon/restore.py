@@ -111,6 +111,9 @@ def find(
         offer = opened.ledger.restore_offer(geometry, checkpoint_digest)
     except LedgerError as exc:
         return found(OfferKind.UNREADABLE, f"its rows do not verify: {exc}"), None
+    except Exception as exc:  # whatever fails, this daemon still takes part in the gather
+        logger.exception("reading the restore offer of %s failed", opened.path)
+        return found(OfferKind.UNREADABLE, f"reading it failed: {type(exc).__name__}: {exc}"), None
     if not isinstance(offer, RestoreOffer):
         return found(OfferKind.NOTHING, offer.reason), None
     return (
