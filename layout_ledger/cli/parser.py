@@ -354,6 +354,12 @@ def _export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-path", metavar="DIR", help="the model directory (config.json) for --check"
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="export even a dirty ledger's or a pending move's layout (no engine should start "
+        "from it), and replace FILE when it exists",
+    )
 
 
 def _plot_options(parser: argparse.ArgumentParser) -> None:
@@ -587,8 +593,14 @@ VERB_EXIT_CODES: dict[str, tuple[tuple[int, str], ...]] = {
     "diff": ((0, "ok"), (1, "a version not held"), (2, _BAD)),
     "export": (
         (0, "written"),
-        (1, "a version not held, a bad --ep-size, the file cannot be written"),
+        (
+            1,
+            "a version not held, a bad --ep-size, FILE exists (without --force) or cannot be "
+            "written",
+        ),
         (2, _BAD),
+        (3, "refused: the incarnation is dirty (without --force)"),
+        (4, "refused: a move is pending (without --force)"),
         (5, "--check: sglang's map differs from the ledger's (nothing written)"),
     ),
     "verify": ((0, "no inconsistency"), (2, _BAD), (5, "an inconsistency (the first is named)")),
@@ -653,9 +665,10 @@ def verb_epilog(verb: str) -> str:
 
 EPILOG = (
     "exit codes: 0 ok; 1 the command could not do what was asked; 2 bad arguments or no usable "
-    "ledger file; 3 (status, fleet) dirty; 4 (status) move pending or recent refusals, (fleet) a "
-    "move pending; 5 verify or export --check found an inconsistency, prune refused a ledger "
-    "that fails verify, or (fleet) the ledgers disagree; 6 (status, fleet, cordon) the daemon "
+    "ledger file; 3 (status, fleet) dirty, (export) refused: dirty; 4 (status) move pending or "
+    "recent refusals, (fleet) a move pending, (export) refused: a move pending; 5 verify or "
+    "export --check found an inconsistency, prune refused a ledger that fails verify, or "
+    "(fleet) the ledgers disagree; 6 (status, fleet, cordon) the daemon "
     "does not run; 7 (fleet --ready-to-stop) not ready; 130 interrupted"
 )
 
