@@ -302,8 +302,8 @@ def _history_options(parser: argparse.ArgumentParser) -> None:
         "--since",
         type=_timestamp,
         metavar="TIME",
-        help="events at or after TIME: ISO-8601 (UTC when no zone is given) or relative, back "
-        "from now: 1h, 30min, 2d, '1 hour ago'",
+        help="events at or after TIME, in UTC: ISO-8601 (no zone means UTC), HH:MM (today), "
+        "today, yesterday, @UNIXTIME, or a span back from now: 1h, 30min, 2d, '1 hour ago'",
     )
     parser.add_argument(
         "--until", type=_timestamp, metavar="TIME", help="events before TIME (as --since)"
@@ -323,7 +323,8 @@ def _history_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="after the matching events (the last 10 unless --last, --since or --after-event "
         "says otherwise), print each new one as the daemon commits it, until interrupted "
-        "(Ctrl-C: exit 0); text, --nl or --csv",
+        "(Ctrl-C: exit 0); text, --nl or --csv; --json: one JSON object a line, as --nl "
+        "(journalctl -f -o json's form)",
     )
 
 
@@ -736,7 +737,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
             verb.error(f"argument --label: {twice[0]!r} given twice; give each label once")
     if args.command == "history" and args.follow:
         for given, name in (
-            (args.json, "--json"),
             (args.reverse, "--reverse"),
             (args.until, "--until"),
         ):

@@ -225,7 +225,8 @@ def _follow(args: argparse.Namespace, wanted: HistoryRequest, paths: list[Path],
 
     if wanted.last is None and wanted.since is None and wanted.after_event is None:
         wanted = dataclasses.replace(wanted, last=FOLLOW_FIRST)
-    form = getattr(args, "rows", None)
+    # One JSON object a line, as `journalctl -f -o json` writes them: --json follows as --nl.
+    form = "nl" if args.json else getattr(args, "rows", None)
     asked = [wanted] * len(paths)
     ranks: dict[int, int] = {}
     first = [True]
