@@ -691,4 +691,4 @@ def test_status_shows_the_tied_experts_the_load_recorded(tmp_path, capsys):
     _, out, _ = run_cli(capsys, "status", str(ledger.path))
     assert "tied experts:" in out and "layer 3: 4/5 (the same bytes" in out, out
     _, out, _ = run_cli(capsys, "status", str(ledger.path), "--json")
-    assert json.loads(out)["tied_experts"] == {"3": [[4, 5]]}
+    assert json.loads(out)["ledgers"][0]["tied_experts"] == {"3": [[4, 5]]}

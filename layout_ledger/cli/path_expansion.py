@@ -35,9 +35,9 @@ def expand_ledger_paths(specs: Sequence[str | os.PathLike[str]]) -> list[Path]:
 
 
 def names_many(specs: Sequence[str | os.PathLike[str]]) -> bool:
-    """Whether ``specs`` ask for the many-ledger form of a command's output: more than one
-    PATH, or a directory or a template (which may match any number of files, one included).
-    Decided by the command line alone, so a script gets one shape whatever matched."""
+    """Whether ``specs`` ask for the many-ledger form of a command's human output: more than
+    one PATH, or a directory or a template (which may match any number of files, one included).
+    Machine output (``--json``) has one shape either way: one ledger is a list of one."""
     if len(specs) != 1:
         return True
     spec = os.fspath(specs[0])
