@@ -97,7 +97,9 @@ class WriterLock:
             raise LedgerLocked(
                 f"ledger {ledger_path} is owned by another daemon (it holds the ledger's writer "
                 f"lock; {self.path}: {holder}); stop that daemon, or give this one its own "
-                f"ledger path"
+                f"ledger path",
+                ledger_path=str(ledger_path),
+                holder=holder,
             ) from exc
         except BaseException:
             self.release()
