@@ -277,18 +277,24 @@ def run_command(command: str, root: Path, incident: str) -> tuple[int, list[str]
     here = command.replace(str(DEFAULT_DIR), str(root)).replace(
         " /backups/", f" {root}/cp-backups/"
     )
-    environment = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # stdout and stderr in the order a terminal shows them: one pipe, nothing buffered.
+    environment = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+    }
     done = subprocess.run(
         here,
         shell=True,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         cwd=root / incident,
         env=environment,
         timeout=120,
         check=False,
     )
-    printed = done.stdout + done.stderr
+    printed = done.stdout
     printed = printed.replace(f"{root}/cp-backups/", "/backups/").replace(
         str(root), str(DEFAULT_DIR)
     )

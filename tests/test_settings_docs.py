@@ -47,7 +47,8 @@ def _documented(rows: list[list[str]]) -> dict[str, tuple[str | None, str]]:
 
 
 def _module(rows: tuple[settings.Setting[object], ...]) -> dict[str, tuple[str | None, str]]:
-    return {setting.env: (setting.flag, setting.default_text) for setting in rows}
+    """env var -> (flag, the default's first word, as a table cell starts)."""
+    return {setting.env: (setting.flag, setting.default_text.split()[0]) for setting in rows}
 
 
 def test_the_readme_settings_table_is_the_settings_module() -> None:
