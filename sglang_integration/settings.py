@@ -62,7 +62,7 @@ PLACEHOLDER = locations.PLACEHOLDER
 
 # Rows of the last 1000 versions per incarnation: at one all-layer rebalance a minute, about 17
 # hours of full history (the current map and every event are kept whatever the setting; the
-# README's benchmarks give the file's size over a week).
+# docs/benchmarks.md gives the file's size over a week).
 DEFAULT_KEEP_VERSIONS = 1000
 
 # Retention runs every 100 commits, off the request path: the rows it checks and drops per run
@@ -290,7 +290,7 @@ STANDBY_IDLE: Setting[float] = Setting(
     help="seconds without a forward pass after which a standby releases its lease",
 )
 
-# Every row, in the README table's order.
+# Every row, in the docs tables' order.
 SETTINGS: tuple[Setting[Any], ...] = (
     LEDGER_TEMPLATE,
     KEEP_VERSIONS,

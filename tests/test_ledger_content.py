@@ -397,7 +397,7 @@ def _readme_content_queries() -> dict[str, str]:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
     queries = {}
     for block in re.findall(r"```sql\n(.*?)```", text, flags=re.S):
         first, _, rest = block.partition("\n")

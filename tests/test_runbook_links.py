@@ -3,7 +3,7 @@
 Every alert of docs/prometheus-alerts.yml has a ``runbook_url`` whose anchor is a heading of
 docs/operations.md (GitHub's anchors), and the runbook has a section for every alert; every
 section a CLI message names (``layout_ledger.cli.runbook``) is a heading of the page, and every
-link within the page lands on one of its headings.
+link within the docs lands on a file and one of its headings.
 """
 
 from __future__ import annotations
@@ -67,3 +67,20 @@ def test_every_link_within_the_runbook_lands_on_one_of_its_headings():
     links = re.findall(r"\]\(#([^)]+)\)", RUNBOOK.read_text())
     assert links
     assert sorted(set(links) - anchors) == []
+
+
+def test_every_relative_link_of_the_docs_lands_on_a_file_and_its_heading():
+    broken = []
+    for document in sorted((ROOT / "docs").glob("*.md")):
+        for target in re.findall(r"\]\(([^)\s]+)\)", document.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, fragment = target.partition("#")
+            linked = document if not path else document.parent / path
+            if not linked.exists():
+                broken.append((document.name, target))
+            elif fragment and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.MULTILINE)
+                if fragment not in {anchor(heading) for heading in headings}:
+                    broken.append((document.name, target))
+    assert broken == []

@@ -51,11 +51,16 @@ def state_home(euid: int, environ: Mapping[str, str]) -> str:
     return os.path.join(home, ".local", "state")
 
 
+def effective_uid() -> int:
+    """This process's user, whose default is read (one place, so a test can name another)."""
+    return os.geteuid()
+
+
 def default_ledger_template(
     euid: int | None = None, environ: Mapping[str, str] | None = None
 ) -> str:
     """The default template for a process of user ``euid`` (default: this one's)."""
-    euid = os.geteuid() if euid is None else euid
+    euid = effective_uid() if euid is None else euid
     environ = os.environ if environ is None else environ
     return os.path.join(state_home(euid, environ), LEDGER_DIRECTORY, LEDGER_FILE)
 
@@ -78,7 +83,7 @@ def ledgers_on_this_host(environ: Mapping[str, str] | None = None) -> LedgerLoca
     configured = environ.get(TEMPLATE_ENV, "").strip()
     if configured:
         return LedgerLocation(configured, TEMPLATE_ENV)
-    euid = os.geteuid()
+    euid = effective_uid()
     who = "root" if euid == 0 else f"uid {euid}"
     return LedgerLocation(
         default_ledger_template(euid, environ), f"the default for {who}; {TEMPLATE_ENV} unset"
