@@ -131,7 +131,10 @@ def test_the_writing_commands_never_create_a_ledger(tmp_path, capsys, verb):
     argv = [verb, str(path)] + (["--keep", "1"] if verb == "prune" else [])
     code, _, err = run_cli(capsys, *argv)
     assert code == exit_codes.UNUSABLE
-    assert err == f"layout-ledger {verb}: error: ledger {path} does not exist\n"
+    assert err == (
+        f"layout-ledger {verb}: error: ledger {path} does not exist; check the path: "
+        "`layout-ledger fleet` given no PATH lists the daemons' ledgers here\n"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

@@ -226,7 +226,8 @@ def test_the_console_script_reports_a_missing_ledger_in_one_line(tmp_path):
     assert result.returncode == exit_codes.UNUSABLE
     assert result.stdout == ""
     assert result.stderr == (
-        f"layout-ledger verify: error: ledger {tmp_path / 'gone.sqlite'} does not exist\n"
+        f"layout-ledger verify: error: ledger {tmp_path / 'gone.sqlite'} does not exist; check "
+        "the path: `layout-ledger fleet` given no PATH lists the daemons' ledgers here\n"
     )
 
 

@@ -573,7 +573,10 @@ def test_export_check_that_fails_writes_nothing_and_keeps_an_earlier_file(
     argv = ["export", str(ledgers["clean"]), "-o", str(output), "--check", "--force"]
     code, out, err = run_cli(capsys, *argv, "--model-path", str(no_model))
     assert (code, out) == (exit_codes.FAILED, "")
-    assert err == f"layout-ledger export: error: --model-path {no_model} has no config.json\n"
+    assert err == (
+        f"layout-ledger export: error: --model-path {no_model} has no config.json; pass the "
+        "model's directory, the one that holds its config.json\n"
+    )
     assert output.read_text() == "an earlier export\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["layout.json", "no-model"]
 

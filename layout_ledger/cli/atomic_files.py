@@ -37,7 +37,10 @@ def write_atomically(
         _refuse_existing(output, refusal)
     directory = output.parent
     if not directory.is_dir():
-        raise LedgerError(f"cannot write {output}: the directory {directory} does not exist")
+        raise LedgerError(
+            f"cannot write {output}: the directory {directory} does not exist; create it, or "
+            f"name a file in an existing directory"
+        )
     try:
         suffix = output.suffix if temporary_suffix is None else temporary_suffix
         fd, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=suffix, dir=directory)

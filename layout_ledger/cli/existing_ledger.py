@@ -11,12 +11,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from layout_ledger.core.errors import LedgerFileError, LedgerLocked
+from layout_ledger.store import locations
 
 
 def require_existing(path: Path) -> None:
     """A missing path, or one that is no regular file, is an error, never a new ledger."""
     if not path.exists():
-        raise LedgerFileError(f"ledger {path} does not exist")
+        raise LedgerFileError(f"ledger {path} does not exist; {locations.FIND_LEDGERS}")
     if not path.is_file():
         raise LedgerFileError(f"ledger {path} is not a regular file")
 

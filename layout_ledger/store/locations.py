@@ -65,6 +65,10 @@ def default_ledger_template(
     return os.path.join(state_home(euid, environ), LEDGER_DIRECTORY, LEDGER_FILE)
 
 
+# What a person who named a path with no ledger can do (the readers' and the CLI's messages).
+FIND_LEDGERS = "check the path: `layout-ledger fleet` given no PATH lists the daemons' ledgers here"
+
+
 @dataclass(frozen=True)
 class LedgerLocation:
     """The daemons' ledger template on this host, and where it came from (said to the user)."""

@@ -79,7 +79,10 @@ def backup_output(source: Path, destination: str | os.PathLike[str]) -> Path:
             f"{output} already exists; a backup never replaces a file: remove it or name another"
         )
     if not output.parent.is_dir():
-        raise LedgerError(f"cannot write {output}: the directory {output.parent} does not exist")
+        raise LedgerError(
+            f"cannot write {output}: the directory {output.parent} does not exist; create it, "
+            f"or name a file in an existing directory"
+        )
     return output
 
 

@@ -74,7 +74,10 @@ def upgrade_ledger(path: str | Path) -> UpgradeResult:
         try:
             revision = file_revision(conn)
             if revision is None:
-                raise LedgerFileError(f"{path} is an empty SQLite file, not a ledger")
+                raise LedgerFileError(
+                    f"{path} is an empty SQLite file, not a ledger (a daemon creates its "
+                    f"ledger when it starts); name a ledger file"
+                )
             if conn.in_transaction():
                 conn.commit()
             upgrade_to_head(conn, path)
