@@ -24,11 +24,13 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_ledgers import EPOCH, at, build, committing_writer, query, run_cli
+from cli_ledgers import EPOCH, at, build, commit, committing_writer, query, rotated, run_cli, start
 
 from layout_ledger.cli import exit_codes
 from layout_ledger.cli.commands import status as status_command
+from layout_ledger.cli.follow import POLL_SECONDS
 from layout_ledger.cli.time_text import ago, parse_time
+from layout_ledger.store.ledger import Ledger
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("layout-ledger")
 NOW = datetime.datetime(2026, 3, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
@@ -270,10 +272,6 @@ def test_follow_of_a_quiet_ledger_prints_the_last_ten_then_stops_on_sigint(clean
 
 
 def _start_a_new_incarnation(path: str) -> None:
-    from cli_ledgers import start
-
-    from layout_ledger.store.ledger import Ledger
-
     start(Ledger.open(path))
     os._exit(0)  # killed: the kernel drops the lock
 
@@ -308,6 +306,62 @@ def test_follow_of_a_stopped_daemons_ledger_sees_the_next_daemon_start(tmp_path,
             follower.wait()
     assert (follower.returncode, err) == (0, b"")
     assert [json.loads(line)["incarnation_id"] for line in lines.lines] == [1, 2, 3]
+
+
+def _reads_settled(pid: int) -> None:
+    """Return once process ``pid`` made no read for three polls (it is not inside a read)."""
+    deadline = time.monotonic() + 30
+    before = _read_calls(pid)
+    while True:
+        time.sleep(3 * POLL_SECONDS)
+        now = _read_calls(pid)
+        if now == before:
+            return
+        assert time.monotonic() < deadline, "the follower never stopped reading"
+        before = now
+
+
+@pytest.mark.timeout(120)
+def test_follow_shows_a_commit_that_leaves_the_wal_the_same_size_after_a_checkpoint(tmp_path):
+    # After a checkpoint copied every frame, the next commit writes the WAL again from its
+    # start: the file keeps its size (and inode), only its modification time tells.
+    path = tmp_path / "live.sqlite"
+    wal = Path(f"{path}-wal")
+    ledger = Ledger.open(path)  # this process is the daemon writing the ledger
+    follower = None
+    try:
+        record = start(ledger)
+        record.attach("engine-w")
+        for step in range(8):  # a WAL of many frames
+            commit(record, "engine-w", {step % 4: rotated([0, 1, 2, 3, 0, 1], step % 6)})
+        follower = _start_follower("history", str(path), "--follow", "--nl")
+        lines = _Lines(follower)
+        lines.read_until(lambda got: len(got) >= 10, 60)
+        for _ in range(5):
+            assert ledger.checkpoint().complete
+            _reads_settled(follower.pid)  # it saw the checkpoint (or missed it) and is idle
+            size = wal.stat().st_size
+            version = commit(record, "engine-w", {0: [3, 2, 1, 0, 0, 1]})
+            if wal.stat().st_size == size:
+                break  # a commit the WAL's size does not show (else a read pinned the WAL)
+        else:
+            raise AssertionError("no commit after a checkpoint kept the WAL's size in 5 tries")
+        ((event_id,),) = query(path, "SELECT max(event_id) FROM events WHERE kind = 'commit'")
+        lines.read_until(lambda got: any(f'"event_id": {event_id},' in x for x in got), 10)
+        follower.send_signal(signal.SIGINT)
+        _, err = follower.communicate(timeout=30)
+    finally:
+        if follower is not None and follower.poll() is None:
+            follower.kill()
+            follower.wait()
+        ledger.close()
+    assert (follower.returncode, err) == (0, b"")
+    shown = [json.loads(line) for line in lines.lines]
+    assert (shown[-1]["event_id"], shown[-1]["kind"], shown[-1]["new_version"]) == (
+        event_id,
+        "commit",
+        version,
+    ), "the commit was never shown"
 
 
 # --- many ledgers: one timeline ---------------------------------------------------------------

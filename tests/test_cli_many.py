@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from cli_ledgers import build, run_cli
 from engine_ledgers import EngineLedgers
+from ledger_support import open_ledger, start
 
 from layout_ledger.cli import exit_codes
 from layout_ledger.cli.commands.metrics import collect_metrics, exposition
@@ -199,3 +200,41 @@ def test_a_running_daemons_ledger_cannot_be_retired_and_a_new_incarnation_ends_a
     engine.records[0] = engine._start(0)  # the GPU is back: a daemon starts on the ledger
     (status,) = json.loads(run_cli(capsys, "status", paths[0], "--json")[1])["ledgers"]
     assert (status["state"], status["retired"]) == ("clean", None)
+
+
+def test_the_exit_code_of_many_statuses_is_the_worst_in_the_documented_order(
+    engine, tmp_path, capsys
+):
+    # dirty (3), pending (4), not_running (6), refusals (4), unreadable (2), clean (0): each
+    # ledger set below drops the worst of the one before, and the next state decides.
+    engine.leave_mid_move(0)
+    engine.begin(1)
+    engine.records[2].record_refusal("attach", "engine-x", "engine 'engine-x' is already attached")
+    stopped = build("clean", tmp_path / "stopped.sqlite")  # its daemon died: not_running
+    broken = tmp_path / "broken.sqlite"
+    broken.write_text("hello")
+    by_state = {
+        "dirty": engine.paths[0],
+        "pending": engine.paths[1],
+        "not_running": stopped,
+        "refusals": engine.paths[2],
+        "unreadable": broken,
+    }
+    expected = {
+        "dirty": exit_codes.DIRTY,
+        "pending": exit_codes.PENDING_OR_REFUSALS,
+        "not_running": exit_codes.NOT_RUNNING,
+        "refusals": exit_codes.PENDING_OR_REFUSALS,
+        "unreadable": exit_codes.UNUSABLE,
+    }
+    clean = open_ledger(tmp_path / "clean.sqlite")
+    try:
+        start(clean)
+        order = list(by_state)
+        for worst in range(len(order) + 1):
+            paths = [*(str(by_state[state]) for state in order[worst:]), str(clean.path)]
+            code, out, _ = run_cli(capsys, "status", *paths, "--json")
+            state = order[worst] if worst < len(order) else "clean"
+            assert (code, json.loads(out)["state"]) == (expected.get(state, exit_codes.OK), state)
+    finally:
+        clean.close()

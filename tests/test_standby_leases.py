@@ -1,7 +1,8 @@
 """Roles and leases (docs/protocol.md "Roles and leases"): a standby attached without a lease
 does not count for the one-mover rule; a lease is busy while a move is pending and refused at a
-dirty daemon; a lease holder makes begins busy; a standby's EOF never dirties; the role and the
-leases survive a replay and are checked by ``verify``; status, fleet and metrics show them."""
+dirty daemon; a lease holder makes begins busy; a standby keeps its lease while its own move is
+pending; a standby's EOF never dirties; the role and the leases survive a replay and are checked
+by ``verify``; status, fleet and metrics show them."""
 
 from __future__ import annotations
 
@@ -112,6 +113,19 @@ def test_a_standbys_eof_never_dirties_the_daemon(ledger, record):
     assert record.detach("C3") is None  # with its lease: the lease ends with the attachment
     assert record.dirty is None and record.state().leases == ()
     assert _kinds(ledger.path).count("dirty") == 0
+
+
+def test_a_standby_keeps_its_lease_until_its_own_pending_move_commits_or_aborts(ledger, record):
+    record.lease("C")
+    record.detach("A")
+    record.begin("C", 0, [1])  # the lease is what let this move begin
+    before = table_dump(ledger.path)
+    with pytest.raises(errors.MoveAlreadyPending, match="before releasing its lease"):
+        record.release("C")
+    assert refusals_added(ledger.path, before) == ["release_refused"]
+    assert record.state().leases == ("C",)
+    record.abort("C")
+    assert record.release("C") is True and record.state().leases == ()
 
 
 def test_release_of_a_lease_never_taken_is_ok_and_changes_nothing(ledger, record):

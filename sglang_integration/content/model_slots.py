@@ -52,4 +52,25 @@ def model_slots(model: Any, first_slot: int, num_slots: int) -> ModelSlots | Non
     """The slots of a loaded sglang model (None: it has no ``routed_experts_weights_of_layer``)."""
     if getattr(model, "routed_experts_weights_of_layer", None) is None:
         return None
-    return ModelSlots(lambda: model.routed_experts_weights_of_layer, first_slot, num_slots)
+    return ModelSlots(lambda: routed_mapping(model), first_slot, num_slots)
+
+
+def routed_mapping(model: Any) -> RoutedWeights:
+    """``model.routed_experts_weights_of_layer`` as a mapping.
+
+    DeepSeek-V3's model returns the dict from a property; Qwen3-MoE's keeps sglang's
+    ``LazyValue`` in the attribute (``models/qwen3_moe.py``, the descriptor made in ``__init__``
+    for IPC loading), which forwards attribute access and ``[]`` to its value but is no mapping:
+    iterating it indexes 0, 1, 2... and fails at the first layer id past the MoE layers. Its
+    ``value`` is the dict.
+    """
+    routed = model.routed_experts_weights_of_layer
+    if isinstance(routed, Mapping):
+        return routed
+    value = getattr(routed, "value", None)
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"the model's routed_experts_weights_of_layer is a {type(routed).__name__} holding "
+            f"a {type(value).__name__}, not a mapping of layer ids to tensors"
+        )
+    return value

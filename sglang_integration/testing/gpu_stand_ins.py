@@ -1,0 +1,200 @@
+"""What a model-backed daemon runs on a CPU in place of what needs a GPU: one stand-in each.
+
+A model-backed daemon (``model_daemon``) is sglang's own ``WeightCacheDaemon`` building the real
+model class and loading a real checkpoint through sglang's own loader. Five steps on that path
+need a GPU; each is replaced here, in this process only, and nothing else is (``UPSTREAM_LINES``
+names the line each stands in for):
+
+1. **The platform.** Without a GPU, sglang resolves its base ``SRTPlatform``, whose device
+   methods (``get_device``, ``set_device``, ...) raise ``NotImplementedError``; sglang's own CPU
+   platform (``CpuSRTPlatform``, what ``SGLANG_USE_CPU_ENGINE=1`` selects) takes its place in
+   every module that bound the resolved object at import (``use_cpu_platform``), naming GPU
+   ``R``'s device UUID ``rank{R}`` (a GPU's UUID names its daemon's socket and ledger), so
+   sglang's own ``get_socket_path`` gives ``RUN/rank{R}.sock`` from the socket template.
+   ``SGLANG_USE_CPU_ENGINE`` itself is not set: it switches sglang's layers to CPU kernels of
+   ``sgl_kernel`` (not installed here) and CPU weight layouts, which a GPU daemon does not use.
+2. **No pynccl or custom all-reduce.** ``GroupCoordinator`` builds a ``PyNcclCommunicator`` for
+   every group of more than one rank, which raises "Expected a cuda device"; the groups are made
+   with pynccl, custom all-reduce, mscclpp and symmetric-memory all-reduce off
+   (``groups_without_pynccl``), so collectives run on gloo, as the daemon's CPU groups do.
+3. **Rope in torch.** The rotary embedding imports vllm's kernel unless sglang's module-level
+   ``_is_cpu`` is true; it is set (``rope_in_torch``). No forward pass runs, so no kernel runs.
+4. **The daemon's device check.** ``WeightCacheDaemon.load`` refuses a platform that is not
+   CUDA-alike (its first statement: CUDA IPC export needs one). The daemon module's platform
+   (only that module's) is stand-in 1's, answering "CUDA-alike" (``daemon_platform``).
+5. **The CUDA IPC export.** ``_export_state`` exports every tensor as a CUDA IPC handle; instead
+   the routed-expert parameters are moved into a shared-memory file every engine maps
+   (``routed_weights``), and the daemon states no transport entries (``export_to_shared_memory``).
+
+``install(daemon_module)`` installs the five in this process. Everything else of the daemon
+(``__init__``, ``_init_distributed``'s process groups,
+``_initialize_eplb_expert_location_metadata``, the rest of ``load`` with the model build and the
+loader, ``_await_cluster_ready_to_serve``, ``serve``, ``_handle_connection``) is sglang's own,
+with the plugin's hooks at their real call sites.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Any
+
+from sglang_integration.testing.model_errors import StandInError
+from sglang_integration.upstream_lines import UpstreamLine
+
+logger = logging.getLogger(__name__)
+
+_DAEMON_FILE = "srt/weight_cache/daemon.py"
+UPSTREAM_LINES = (
+    UpstreamLine(
+        "srt/platforms/__init__.py",
+        186,
+        "return SRTPlatform()",
+        "1: without a GPU sglang resolves its base platform, whose device methods raise",
+    ),
+    UpstreamLine(
+        "srt/distributed/parallel_state.py",
+        463,
+        "if use_pynccl and self.world_size > 1:",
+        "2: a group of several ranks builds pynccl, which needs a CUDA device",
+    ),
+    UpstreamLine(
+        "srt/distributed/parallel_state.py",
+        2160,
+        "def init_model_parallel_group(",
+        "2: the group maker whose pynccl and all-reduce options the stand-in turns off",
+    ),
+    UpstreamLine(
+        "srt/layers/rotary_embedding/base.py",
+        138,
+        "from vllm._custom_ops import rotary_embedding",
+        "3: the rope kernel import that sglang's _is_cpu skips",
+    ),
+    UpstreamLine(
+        _DAEMON_FILE,
+        181,
+        "device_uuid = current_platform.get_device_uuid(gpu_id)",
+        "1: the socket is named by the device UUID",
+    ),
+    UpstreamLine(
+        _DAEMON_FILE,
+        257,
+        "if not current_platform.is_cuda_alike():",
+        "4: load's first statement refuses a platform that is not CUDA-alike",
+    ),
+    UpstreamLine(
+        _DAEMON_FILE,
+        396,
+        "self._export_state()",
+        "5: load exports every tensor as a CUDA IPC handle",
+    ),
+    UpstreamLine(
+        _DAEMON_FILE,
+        455,
+        "self.transport_backend = choose_daemon_transport_backend(state_tensors)",
+        "5: what the export leaves for fetch_state: a transport and its entries",
+    ),
+)
+
+
+def device_name(gpu_id: int) -> str:
+    """The stand-in device UUID of GPU ``gpu_id``: ``rank{gpu_id}``."""
+    return f"rank{gpu_id}"
+
+
+def use_cpu_platform() -> Any:
+    """Stand-in 1: sglang's ``CpuSRTPlatform`` as the platform, wherever the resolved one is
+    bound (``platforms._current_platform`` and each loaded module's ``current_platform``), with
+    one change: GPU ``R``'s device UUID is ``rank{R}``, where sglang's CPU platform answers the
+    machine's architecture for every device (two daemons on one host would share a socket)."""
+    from sglang.srt import platforms
+    from sglang.srt.platforms.cpu import CpuSRTPlatform
+
+    class CpuDevicesPlatform(CpuSRTPlatform):  # type: ignore[misc]
+        """sglang's CPU platform, one device name per rank."""
+
+        def get_device_uuid(self, device_id: int = 0) -> str:
+            return device_name(device_id)
+
+    resolved = platforms._current_platform
+    cpu = CpuDevicesPlatform()
+    platforms._current_platform = cpu
+    if resolved is not None:
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if isinstance(namespace, dict) and namespace.get("current_platform") is resolved:
+                namespace["current_platform"] = cpu
+    return cpu
+
+
+def groups_without_pynccl() -> None:
+    """Stand-in 2: sglang's group maker with pynccl and the device all-reduces off."""
+    from sglang.srt.distributed import parallel_state
+
+    original = parallel_state.init_model_parallel_group
+    if getattr(original, "_without_pynccl", False):
+        return
+
+    @functools.wraps(original)
+    def make_group(*args: Any, **kwargs: Any) -> Any:
+        kwargs.update(
+            use_pynccl=False,
+            use_custom_allreduce=False,
+            use_mscclpp=False,
+            use_torch_symm_mem_allreduce=False,
+        )
+        return original(*args, **kwargs)
+
+    make_group._without_pynccl = True  # type: ignore[attr-defined]
+    parallel_state.init_model_parallel_group = make_group
+
+
+def rope_in_torch() -> None:
+    """Stand-in 3: sglang's rotary embedding takes its torch path (no vllm kernel import)."""
+    from sglang.srt.layers.rotary_embedding import base
+
+    if not hasattr(base, "_is_cpu"):
+        raise StandInError(
+            "sglang's rotary_embedding.base has no _is_cpu any more; recheck gpu_stand_ins"
+        )
+    base._is_cpu = True
+
+
+def daemon_platform(daemon_module: Any, cpu: Any) -> None:
+    """Stand-in 4: the daemon module's platform passes ``load``'s CUDA check; every other call
+    is stand-in 1's CPU platform's (so ``__init__`` names the socket ``rank{R}``)."""
+    cpu_class = type(cpu)
+
+    class DaemonCpuPlatform(cpu_class):  # type: ignore[misc,valid-type]
+        """Stand-in 1's platform, CUDA-alike to the daemon's load check only."""
+
+        def is_cuda_alike(self) -> bool:
+            return True
+
+    daemon_module.current_platform = DaemonCpuPlatform()
+
+
+def install(daemon_module: Any) -> None:
+    """Install the five stand-ins in this process (before the daemon is built)."""
+    cpu = use_cpu_platform()
+    groups_without_pynccl()
+    rope_in_torch()
+    daemon_platform(daemon_module, cpu)
+    daemon_module.WeightCacheDaemon._export_state = export_to_shared_memory
+
+
+def export_to_shared_memory(daemon: Any) -> None:
+    """Stand-in 5, ``WeightCacheDaemon._export_state`` in this process: instead of exporting CUDA
+    IPC handles, move the routed-expert parameters into the shared file beside the daemon's
+    socket (``routed_weights.export_routed_weights``) and state no entries, with the transport
+    sglang chooses for none, so ``fetch_state`` answers as sglang's daemon does, without tensors.
+    """
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.weight_cache.transport import choose_daemon_transport_backend
+
+    from sglang_integration.testing.routed_weights import export_routed_weights
+
+    export_routed_weights(daemon.model, daemon.socket_path, int(get_parallel().moe_ep_rank))
+    daemon.state_entries = {}
+    daemon.transport_backend = choose_daemon_transport_backend({})

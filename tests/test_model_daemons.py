@@ -1,0 +1,174 @@
+"""Model-backed daemons: sglang's own daemon loads a real checkpoint into the slots its map names.
+
+Per model (a tiny Qwen3-MoE in BF16, a tiny DeepSeek-V3 in FP8 blocks), one group of two
+model-backed daemons (``sglang_integration.testing.daemons``: sglang's ``WeightCacheDaemon``
+builds the model class from the checkpoint's ``config.json`` and loads its safetensors shards
+with sglang's loader, on two gloo ranks; the GPU stand-ins are ``testing.gpu_stand_ins``) is
+started once for the module, from an initial map (``--init-expert-location``) with a second
+replica of an expert on each rank. What every engine on a daemon maps (its shared routed-expert
+file) is judged against the checkpoint (``testing.checkpoint_experts``):
+
+- each checkpoint expert lies in exactly the slots the daemon's map names, and in no other;
+- the daemon's record starts at version 0 with that map and one fingerprint per local slot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sglang_integration.testing.checkpoint import CheckpointSpec, write_checkpoint
+from sglang_integration.testing.checkpoint import main as checkpoint_main
+from sglang_integration.testing.checkpoint_experts import CheckpointExperts, slots_holding
+from sglang_integration.testing.daemon_control import request
+from sglang_integration.testing.daemons import ModelDaemonGroup, start_model_daemons
+from sglang_integration.testing.routed_weights import attach_routed_weights
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_EXPERTS, NUM_REDUNDANT, NUM_LAYERS = 8, 4, 3
+LOCAL = (NUM_EXPERTS + NUM_REDUNDANT) // 2
+# Per layer, 6 slots on each rank; rank 0 holds one expert twice, rank 1 another.
+INITIAL = [
+    [0, 1, 2, 3, 4, 0, 5, 6, 7, 5, 1, 2],
+    [7, 6, 5, 4, 3, 3, 2, 1, 0, 2, 6, 4],
+    [1, 3, 5, 7, 0, 5, 2, 4, 6, 6, 0, 1],
+]
+MODELS = {"qwen3_moe": "bf16", "deepseek_v3": "fp8_block"}
+
+
+@dataclass
+class Started:
+    model: str
+    checkpoint: Path
+    group: ModelDaemonGroup
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def started(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Started]:
+    model = str(request.param)
+    root = tmp_path_factory.mktemp(model)
+    checkpoint = write_checkpoint(
+        root / "checkpoint", CheckpointSpec(model=model, dtype=MODELS[model], seed=7)
+    )
+    group = start_model_daemons(
+        root / "run",
+        checkpoint,
+        ep_size=2,
+        num_redundant_experts=NUM_REDUNDANT,
+        model=model,
+        daemon_args=["--init-expert-location", json.dumps({"physical_to_logical_map": INITIAL})],
+    )
+    try:
+        yield Started(model, checkpoint, group)
+    finally:
+        group.stop()
+
+
+def test_each_checkpoint_expert_lands_in_exactly_the_slots_the_daemons_map_names(
+    started: Started,
+) -> None:
+    experts = CheckpointExperts(started.checkpoint)
+    held: dict[tuple[int, int], set[int]] = {}
+    for rank in range(2):
+        routed = attach_routed_weights(started.group.socket(rank))
+        assert routed.first_slot == rank * LOCAL
+        judged = experts.judge_routed(
+            routed.routed_experts_weights_of_layer, routed.names, NUM_EXPERTS
+        )
+        for key, slots in slots_holding(judged, routed.first_slot).items():
+            held.setdefault(key, set()).update(slots)
+    moe_layers = sorted({layer for layer, _ in held})
+    assert moe_layers == ([0, 1, 2] if started.model == "qwen3_moe" else [1, 2])
+    named = {
+        (layer, expert): {slot for slot, e in enumerate(INITIAL[layer]) if e == expert}
+        for layer in moe_layers
+        for expert in range(NUM_EXPERTS)
+    }
+    assert held == named
+
+
+def test_the_daemon_records_the_loaded_map_at_version_0_with_one_fingerprint_per_slot(
+    started: Started,
+) -> None:
+    for rank in range(2):
+        layout = request(started.group.socket(rank), {"type": "expert_layout_query"})["layout"]
+        assert (layout["version"], layout["dirty"]) == (0, False)
+        assert layout["physical_to_logical_map"] == INITIAL
+        reply = request(started.group.socket(rank), {"type": "expert_layout_content_check"})
+        assert reply["status"] == "ok", reply
+        content = reply["content"]
+        assert (content["first_slot"], content["dirty"]) == (rank * LOCAL, False)
+        assert sorted(content["recorded"]) == (
+            [0, 1, 2] if started.model == "qwen3_moe" else [1, 2]
+        )
+        assert all(len(values) == LOCAL for values in content["recorded"].values())
+        assert content["current"] == content["recorded"]
+
+
+def test_the_two_commands_write_a_checkpoint_and_serve_it_until_sigterm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The contract of ``checkpoint write`` and ``daemons``, run as a person runs them: the
+    checkpoint command refuses a non-empty directory; the group serves ``RUN/rank{R}.sock`` with
+    ``RUN/rank{R}.sqlite``, passes the daemon flags on (content check off: no fingerprints), a
+    SIGKILL of one rank is that daemon's crash alone, and SIGTERM stops the rest cleanly."""
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+
+    checkpoint, run = tmp_path / "deepseek", tmp_path / "run"
+    write = [
+        sys.executable,
+        "-m",
+        "sglang_integration.testing.checkpoint",
+        "write",
+        str(checkpoint),
+    ]
+    first = subprocess.run(
+        [*write, "--model", "deepseek_v3", "--seed", "3"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith(f"wrote {checkpoint}: deepseek_v3 bf16, 3 layers (2 MoE)")
+    assert checkpoint_main(["write", str(checkpoint), "--model", "deepseek_v3"]) == 2
+    assert "is not an empty directory" in capsys.readouterr().err
+    command = [
+        sys.executable, "-m", "sglang_integration.testing.daemons", "--model", "deepseek_v3",
+        "--checkpoint", str(checkpoint), "--ep-size", "2", "--dir", str(run),
+        "--num-redundant-experts", "2", "--expert-layout-content-check", "off",
+    ]  # fmt: skip
+    group = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert group.stdout is not None
+        lines = [group.stdout.readline() for _ in range(2)]
+        pids = [int(line.split()[3]) for line in lines]
+        assert [line.split()[4:] for line in lines] == [
+            ["socket", f"{run}/rank{rank}.sock", "ledger", f"{run}/rank{rank}.sqlite"]
+            for rank in range(2)
+        ]
+        off = request(run / "rank0.sock", {"type": "expert_layout_content_check"})
+        assert off["status"] == "no_record"
+        os.kill(pids[1], signal.SIGKILL)
+        assert request(run / "rank0.sock", {"type": "ping"}) == {"status": "ok"}
+        assert group.poll() is None
+        group.send_signal(signal.SIGTERM)
+        assert group.wait(60) == 0
+    finally:
+        group.kill()
+    with sqlite3.connect(f"file:{run}/rank0.sqlite?mode=ro", uri=True) as ledger:
+        assert ledger.execute("SELECT end_state FROM ledger_incarnations").fetchall() == [
+            ("clean",)
+        ]
+    with sqlite3.connect(f"file:{run}/rank1.sqlite?mode=ro", uri=True) as ledger:
+        assert ledger.execute("SELECT end_state FROM ledger_incarnations").fetchall() == [(None,)]
