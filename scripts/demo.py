@@ -6,7 +6,7 @@ loop and request handler, with this plugin's hooks and a SQLite ledger) and shar
 tensors that every engine maps; engines of 2 ranks on torch.distributed gloo running sglang's
 real ``ModelRunner.maybe_init_expert_location_metadata``, ``EPLBManager``, ``init_by_eplb`` and
 ``ExpertLocationUpdater`` through the plugin's real hooks. Then ``layout-ledger`` and the
-README's ``sqlite3`` query on the dirty daemon's ledger.
+runbook's ``sqlite3`` query on the dirty daemon's ledger.
 
     .venv/bin/python scripts/demo.py [--rebalances N] [--keep]
 
@@ -103,7 +103,9 @@ def render_forensics(case: Any) -> str:
     query = case.facts.get("query")
     if query is not None:
         sql, columns, rows = query
-        lines.append("$ sqlite3 'file:<same ledger>?mode=ro'   # README, Forensic cookbook")
+        lines.append(
+            "$ sqlite3 'file:<same ledger>?mode=ro'   # docs/operations.md, Forensic cookbook"
+        )
         lines.extend(f"  {line}" for line in sql.splitlines())
         table = [columns, *[[str(value) for value in row] for row in rows]]
         widths = [max(len(str(row[i])) for row in table) for i in range(len(columns))]
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         print("starting the forkserver (it imports sglang once for every process)...", flush=True)
         seconds = workspace.start_processes()
         print(f"forkserver ready in {seconds:.1f} s\n", flush=True)
-        run = demo_cases.run_demo(workspace, ROOT / "README.md", on_case=show)
+        run = demo_cases.run_demo(workspace, ROOT / "docs" / "operations.md", on_case=show)
     except (KeyboardInterrupt, Terminated):
         print("\ninterrupted: stopping every process and removing the temp dirs", flush=True)
         _close(workspace)

@@ -72,9 +72,11 @@ def _clock_at(moment: datetime.datetime) -> Iterator[None]:
         record_module.utc_now = saved  # type: ignore[assignment]
 
 
-def _status(capsys, *paths: object) -> tuple[int, dict]:
-    code, out, _ = run_cli(capsys, "status", *map(str, paths), "--json")
-    return code, json.loads(out)
+def _status(capsys, path: object, *options: str) -> tuple[int, dict]:
+    """One ledger's status --json: the one report of its list of one."""
+    code, out, _ = run_cli(capsys, "status", str(path), *options, "--json")
+    (report,) = json.loads(out)["ledgers"]
+    return code, report
 
 
 def test_status_of_a_sigkilled_daemons_clean_ledger_exits_6_not_running(tmp_path, capsys):

@@ -201,7 +201,7 @@ def test_cordon_over_a_real_daemons_socket_then_status_fleet_metrics_show_it(tmp
         )
         busy = engine.begin(0, [0])
         assert busy.outcome is msg.Outcome.BUSY and "this daemon is cordoned since" in busy.reason
-        status = json.loads(run_cli(capsys, "status", ledger, "--json")[1])
+        (status,) = json.loads(run_cli(capsys, "status", ledger, "--json")[1])["ledgers"]
         assert status["cordon"]["reason"].startswith("stop for GPU swap; by ")
         assert (status["state"], status["busy_begins"], status["refusals"]) == ("clean", 1, 0)
         _, out, _ = run_cli(capsys, "status", ledger)

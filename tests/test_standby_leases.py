@@ -193,8 +193,7 @@ def test_history_knows_the_new_kinds(tmp_path, capsys):
     path = build("standby", tmp_path / "l.sqlite")
     code, out, _ = run_cli(capsys, "history", str(path), "--kind", "lease", "--json")
     assert code == exit_codes.OK
-    rows = json.loads(out)
-    events = rows["events"] if isinstance(rows, dict) else rows
+    events = json.loads(out)["events"]
     assert [event["kind"] for event in events] == ["lease", "lease"]
     code, _, _ = run_cli(capsys, "history", str(path), "--kind", "release")
     assert code == exit_codes.OK
@@ -205,7 +204,7 @@ def test_status_shows_each_engines_role_and_lease(tmp_path, capsys):
     _, out, _ = run_cli(capsys, "status", str(path))
     assert "roles:               engine-a active (lease), engine-c standby (lease)\n" in out
     _code, out, _ = run_cli(capsys, "status", str(path), "--json")
-    report = json.loads(out)
+    (report,) = json.loads(out)["ledgers"]
     assert (report["standbys"], report["leases"]) == (["engine-c"], ["engine-c"])
 
 
