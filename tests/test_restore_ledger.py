@@ -286,13 +286,13 @@ def test_status_json_history_and_the_views_show_the_restore(
     path = tmp_path / "l.sqlite"
     first = restarted(path)
     assert cli_main(["status", "--json", str(path)]) == 6  # its daemon is not running
-    status = json.loads(capsys.readouterr().out)
+    (status,) = json.loads(capsys.readouterr().out)["ledgers"]
     assert (status["version"], status["restored_from"]) == (
         2,
         {"incarnation": 1, "version": 2, "digest": first.digest},
     )
     assert cli_main(["status", "--json", str(path), "--incarnation", "1"]) == 0
-    assert json.loads(capsys.readouterr().out)["restored_from"] is None
+    assert json.loads(capsys.readouterr().out)["ledgers"][0]["restored_from"] is None
     assert cli_main(["status", str(path)]) == 6
     assert (
         f"restored:            version 2 of incarnation 1 (digest {first.digest[:12]}) at its "
