@@ -5,11 +5,19 @@ model-backed daemons (``sglang_integration.testing.daemons``: sglang's ``WeightC
 builds the model class from the checkpoint's ``config.json`` and loads its safetensors shards
 with sglang's loader, on two gloo ranks; the GPU stand-ins are ``testing.gpu_stand_ins``) is
 started once for the module, from an initial map (``--init-expert-location``) with a second
-replica of an expert on each rank. What every engine on a daemon maps (its shared routed-expert
-file) is judged against the checkpoint (``testing.checkpoint_experts``):
+replica of an expert on each rank; in layer 1, expert 6 is a copy of expert 5 (tied experts).
+What every engine on a daemon maps (its shared routed-expert file) is judged against the
+checkpoint (``testing.checkpoint_experts``):
 
 - each checkpoint expert lies in exactly the slots the daemon's map names, and in no other;
-- the daemon's record starts at version 0 with that map and one fingerprint per local slot.
+- the daemon's record starts at version 0 with that map and one fingerprint per local slot,
+  and knows the tied experts;
+- a fingerprint covers every routed tensor of a slot (w13, w2, and with FP8 their scales), and
+  slots zero-filled, overwritten in part or moved without a commit read as on synthetic
+  experts: the daemon's content check names each as the judge does (this test runs last: it
+  leaves the daemons dirty).
+
+Plus the two commands' contract, run as a person runs them (``checkpoint write``, ``daemons``).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ INITIAL = [
     [1, 3, 5, 7, 0, 5, 2, 4, 6, 6, 0, 1],
 ]
 MODELS = {"qwen3_moe": "bf16", "deepseek_v3": "fp8_block"}
+TIED = (1, 6, 5)  # layer 1: expert 6 holds expert 5's bytes (rank 0 holds both)
 
 
 @dataclass
@@ -56,7 +65,7 @@ def started(
     model = str(request.param)
     root = tmp_path_factory.mktemp(model)
     checkpoint = write_checkpoint(
-        root / "checkpoint", CheckpointSpec(model=model, dtype=MODELS[model], seed=7)
+        root / "checkpoint", CheckpointSpec(model=model, dtype=MODELS[model], seed=7, tied=(TIED,))
     )
     group = start_model_daemons(
         root / "run",
@@ -87,12 +96,22 @@ def test_each_checkpoint_expert_lands_in_exactly_the_slots_the_daemons_map_names
             held.setdefault(key, set()).update(slots)
     moe_layers = sorted({layer for layer, _ in held})
     assert moe_layers == ([0, 1, 2] if started.model == "qwen3_moe" else [1, 2])
+    layer, tied, same_as = TIED
+
+    def same_bytes(layer_id: int, expert: int) -> set[int]:
+        """The experts whose bytes ``expert``'s are (itself, and its tied partner)."""
+        group = {tied, same_as}
+        return group if layer_id == layer and expert in group else {expert}
+
     named = {
-        (layer, expert): {slot for slot, e in enumerate(INITIAL[layer]) if e == expert}
-        for layer in moe_layers
+        (layer_id, expert): {
+            slot for slot, e in enumerate(INITIAL[layer_id]) if e in same_bytes(layer_id, expert)
+        }
+        for layer_id in moe_layers
         for expert in range(NUM_EXPERTS)
     }
     assert held == named
+    assert named[(layer, tied)] == {1, 2, 10}  # expert 6's slots 1 and 10, expert 5's slot 2
 
 
 def test_the_daemon_records_the_loaded_map_at_version_0_with_one_fingerprint_per_slot(
@@ -111,6 +130,18 @@ def test_the_daemon_records_the_loaded_map_at_version_0_with_one_fingerprint_per
         )
         assert all(len(values) == LOCAL for values in content["recorded"].values())
         assert content["current"] == content["recorded"]
+
+
+def test_the_daemon_knows_the_tied_experts_its_slots_hold(
+    started: Started, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cli_ledgers import run_cli
+
+    code, out, _ = run_cli(capsys, "status", started.group.ledger(0), "--json")
+    assert code == 0
+    assert json.loads(out)["tied_experts"] == {"1": [[5, 6]]}
+    _, out, _ = run_cli(capsys, "status", started.group.ledger(1), "--json")
+    assert json.loads(out)["tied_experts"] == {}  # rank 1 holds expert 6 but never 5
 
 
 def test_the_two_commands_write_a_checkpoint_and_serve_it_until_sigterm(
@@ -172,3 +203,51 @@ def test_the_two_commands_write_a_checkpoint_and_serve_it_until_sigterm(
         ]
     with sqlite3.connect(f"file:{run}/rank1.sqlite?mode=ro", uri=True) as ledger:
         assert ledger.execute("SELECT end_state FROM ledger_incarnations").fetchall() == [(None,)]
+
+
+def test_fingerprints_cover_every_routed_tensor_and_read_zero_partial_and_moved_slots(
+    started: Started,
+) -> None:
+    """Leaves rank 0's daemon dirty: the last test of each model."""
+    import torch
+
+    from sglang_integration.content.fingerprints import fingerprint_hex, fingerprint_slots
+
+    routed = attach_routed_weights(started.group.socket(0))
+    layer = 2
+    tensors = routed.routed_experts_weights_of_layer[layer]
+    names = routed.names[layer]
+    expected_names = ["w13_weight", "w2_weight"]
+    if MODELS[started.model] == "fp8_block":
+        expected_names += ["w13_weight_scale_inv", "w2_weight_scale_inv"]
+    assert names == expected_names
+
+    def prints() -> list[str]:
+        return fingerprint_hex(fingerprint_slots(list(tensors), LOCAL))
+
+    before = prints()
+    for tensor in tensors:  # one byte of slot 4 in each tensor: only slot 4's fingerprint moves
+        raw = tensor[4].view(torch.uint8).view(-1)
+        raw[-1] ^= 0x01
+        changed = [slot for slot, (a, b) in enumerate(zip(before, prints(), strict=True)) if a != b]
+        raw[-1] ^= 0x01
+        assert changed == [4]
+    assert prints() == before
+
+    # rank 0, layer 2 holds experts 1, 3, 5, 7, 0, 5 in slots 0-5.
+    for tensor in tensors:
+        tensor[1].copy_(tensor[0])  # expert 1 moved into slot 1 without a commit
+        tensor[2].zero_()  # expert 5's first copy zero-filled
+    for tensor in tensors[1:]:
+        tensor[3].copy_(tensor[4])  # slot 3 (expert 7) keeps its w13, the rest is expert 0's
+    judged = CheckpointExperts(started.checkpoint).judge_layer(layer, tensors, names, NUM_EXPERTS)
+    assert [content.text for content in judged[:3]] == ["expert 1", "expert 1", "zero-filled"]
+    assert judged[3].text.startswith("partial: ") and "of expert 7" in judged[3].text
+    assert "of expert 0" in judged[3].text
+    reply = request(started.group.socket(0), {"type": "expert_layout_content_check"})
+    content = reply["content"]
+    assert content["dirty"], reply
+    reason = content["dirty_reason"]
+    for slot, named in ((1, 3), (2, 5), (3, 7)):
+        said = f"layer {layer} slot {slot}: expert {named} by the record, holds {judged[slot].text}"
+        assert said in reason, reason
