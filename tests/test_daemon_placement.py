@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 NUM_EXPERTS, NUM_REDUNDANT, LOCAL = 8, 4, 6
 INITIAL = [
     [0, 1, 2, 3, 4, 0, 5, 6, 7, 5, 1, 2],
-    [7, 6, 5, 4, 3, 3, 2, 1, 0, 2, 6, 4],
+    [7, 6, 5, 4, 3, 3, 2, 1, 0, 5, 6, 4],
     [1, 3, 5, 7, 0, 5, 2, 4, 6, 6, 0, 1],
 ]
 
@@ -116,11 +116,11 @@ def test_the_daemon_lists_every_replica_so_the_loader_fills_every_local_slot(
         if backend == "none":
             assert result["sglang"] == every_slot  # sglang lists every replica itself here
     if backend == "deepep":
-        # sglang's own: the second replica on each rank is left unfilled (one slot per rank
-        # and layer here: 0's second copy in slot 5, 5's in slot 9, ...).
+        # sglang's own: each second replica on a rank is left unfilled (layer 0: expert 0's
+        # second copy in slot 5, 5's in slot 9; rank 1 holds no expert twice in layer 1).
         assert [result["sglang"] for result in results] == [
             [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]],
-            [[6, 7, 8, 10, 11], [6, 7, 8, 10, 11], [6, 7, 8, 10, 11]],
+            [[6, 7, 8, 10, 11], [6, 7, 8, 9, 10, 11], [6, 7, 8, 10, 11]],
         ]
 
 

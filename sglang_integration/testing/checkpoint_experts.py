@@ -210,3 +210,47 @@ def num_routed_experts(config: Mapping[str, Any]) -> int:
         if isinstance(value, int) and value > 0:
             return value
     raise CheckpointError("config.json names no routed experts (num_experts, n_routed_experts)")
+
+
+class ModelExperts:
+    """An engine rank's view of its daemon's real routed experts, mapped from the daemon's shared
+    file and judged against the checkpoint (what ``shared_experts.SharedExperts`` is for the
+    synthetic stand-in: ``model()``, ``count_matching_slots``, ``slot_count``)."""
+
+    def __init__(self, socket_path: str, checkpoint: str | Path) -> None:
+        from sglang_integration.testing.checkpoint import read_config
+        from sglang_integration.testing.routed_weights import attach_routed_weights
+
+        self.weights = attach_routed_weights(socket_path)
+        self.judge = CheckpointExperts(checkpoint)
+        self.num_experts = num_routed_experts(read_config(checkpoint))
+
+    @property
+    def first_slot(self) -> int:
+        return self.weights.first_slot
+
+    @property
+    def slot_count(self) -> int:
+        """The judged slots: this rank's local slots of every MoE layer."""
+        return len(self.weights.routed_experts_weights_of_layer) * self.weights.num_local_slots
+
+    def model(self) -> Any:
+        from sglang_integration.testing.routed_weights import RoutedModel
+
+        return RoutedModel(self.weights)
+
+    def judged(self) -> dict[int, list[SlotContent]]:
+        return self.judge.judge_routed(
+            self.weights.routed_experts_weights_of_layer, self.weights.names, self.num_experts
+        )
+
+    def count_matching_slots(self, physical_to_logical_map: Sequence[Sequence[int]]) -> int:
+        """How many of this rank's slots hold the expert the map names there."""
+        return count_matching(self.judged(), physical_to_logical_map, self.first_slot)
+
+    def held_rows(self) -> dict[int, list[int]]:
+        """Per MoE layer, the expert each local slot holds whole (-1: none, or tied experts)."""
+        return {
+            layer: [content.experts[0] if len(content.experts) == 1 else -1 for content in row]
+            for layer, row in self.judged().items()
+        }
