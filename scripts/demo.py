@@ -1,14 +1,16 @@
 """The CPU end-to-end demo (README quick start: ``scripts/demo.sh``).
 
-Reproduces the proposal's three GPU cases with real processes on a CPU and prints them in a
-table: per EP rank a model-less weight cache daemon (sglang's real ``WeightCacheDaemon`` serve
-loop and request handler, with this plugin's hooks and a SQLite ledger) and shared-memory expert
-tensors that every engine maps; engines of 2 ranks on torch.distributed gloo running sglang's
-real ``ModelRunner.maybe_init_expert_location_metadata``, ``EPLBManager``, ``init_by_eplb`` and
+Reproduces the proposal's three GPU cases (and cases 4 and 5) with real processes on a CPU, on a
+tiny Qwen3-MoE (BF16) and a tiny DeepSeek-V3 (FP8 blocks) in turn, and prints them in tables: per
+EP rank a model-backed weight cache daemon (sglang's own ``WeightCacheDaemon`` building the model
+class and loading a checkpoint written for the run with sglang's loader, with this plugin's hooks
+and a SQLite ledger), whose routed-expert parameters every engine maps from shared memory;
+engines of 2 ranks on torch.distributed gloo running sglang's real
+``ModelRunner.maybe_init_expert_location_metadata``, ``EPLBManager``, ``init_by_eplb`` and
 ``ExpertLocationUpdater`` through the plugin's real hooks. Then ``layout-ledger`` and the
 runbook's ``sqlite3`` query on the dirty daemon's ledger.
 
-    .venv/bin/python scripts/demo.py [--rebalances N] [--keep]
+    .venv/bin/python scripts/demo.py [--model qwen3_moe|deepseek_v3|both] [--rebalances N] [--keep]
 
 Exit 0 when every expected outcome holds, 1 when one does not, 2 when a process failed or hung,
 130 on Ctrl-C (SIGTERM likewise). Everything lives in temp dirs that are removed on exit
@@ -45,6 +47,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=MIN_CASE1_REBALANCES,
         help=f"engine A's rebalances in case 1 (default and minimum {MIN_CASE1_REBALANCES})",
+    )
+    parser.add_argument(
+        "--model",
+        choices=("both", "qwen3_moe", "deepseek_v3"),
+        default="both",
+        help="the model(s) the daemons load (default: both, one after the other)",
     )
     parser.add_argument(
         "--keep", action="store_true", help="keep the temp dirs (logs, ledgers) and name them"
@@ -117,42 +125,41 @@ def render_forensics(case: Any) -> str:
     return "\n".join(lines)
 
 
-def render_case1_side_by_side(run: Any) -> str:
-    """Case 1 with and without the plugin, in the shape of the proposal's table."""
-    with_plugin = next((c for c in run.cases if c.title.startswith("Case 1: ")), None)
-    without = next((c for c in run.cases if c.title.startswith("Case 1, plugin disabled")), None)
-    if with_plugin is None or without is None or "b_correct" not in without.facts:
+def render_case1_side_by_side(runs: list[Any]) -> str:
+    """Case 1 with and without the plugin, in the shape of the proposal's table, a row per
+    model: engine B's slots that hold the expert B's map names."""
+    rows = [("model", "A's rebalances", "B routes with", "plugin on", "plugin disabled")]
+    for run in runs:
+        with_plugin = next((c for c in run.cases if c.title.startswith("Case 1: ")), None)
+        without = next(
+            (c for c in run.cases if c.title.startswith("Case 1, plugin disabled")), None
+        )
+        if with_plugin is None or without is None or "b_correct" not in without.facts:
+            continue
+        on, off = with_plugin.facts, without.facts
+        total = run.config.all_slots
+        rows.append(
+            (
+                run.config.name,
+                _ranks(on["a_rebalances"]),
+                f"version {_ranks(on['b_versions'])} / the initial layout",
+                f"{on['b_correct']}/{total}",
+                f"{off['b_correct']}/{total}",
+            )
+        )
+    if len(rows) == 1:
         return ""
-    on, off = with_plugin.facts, without.facts
-    total = run.config.all_slots
-    rows = [
-        ("", "plugin on", "plugin disabled"),
-        (
-            "engine A: rebalances (per rank)",
-            _ranks(on["a_rebalances"]),
-            _ranks(off["a_rebalances"]),
-        ),
-        ("daemon version after A (per rank)", _ranks(on["daemon_versions"]), "no record"),
-        ("engine B routes with", f"version {_ranks(on['b_versions'])}", "the initial layout"),
-        (
-            "B: slots holding the expert B's map names",
-            f"{on['b_correct']}/{total}",
-            f"{off['b_correct']}/{total}",
-        ),
-        (
-            "B: slots read wrongly",
-            f"{total - on['b_correct']}/{total}",
-            f"{off['wrong']}/{total}",
-        ),
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "Case 1 side by side (the proposal's GPU table, on the CPU): engine B, started after A "
+        "rebalanced, slots holding the expert B's map names, plugin on / disabled"
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["Case 1 side by side (the proposal's GPU table, on the CPU)"]
     for index, row in enumerate(rows):
         lines.append(
             ("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row))).rstrip()
         )
         if index == 0:
-            lines.append("  " + "-" * (sum(widths) + 4))
+            lines.append("  " + "-" * (sum(widths) + 2 * (len(widths) - 1)))
     return "\n".join(lines) + "\n"
 
 
@@ -160,52 +167,59 @@ def _ranks(values: list[Any]) -> str:
     return ", ".join(str(value) for value in values)
 
 
-def render_summary(run: Any, wall: float) -> str:
+def render_summary(runs: list[Any], wall: float) -> str:
     lines = ["Summary", "  " + "-" * (WIDTH - 2)]
     total = passed = 0
-    for case in run.cases:
-        checked = [check for check in case.checks if check.ok is not None]
-        ok = sum(1 for check in checked if check.ok)
-        total += len(checked)
-        passed += ok
-        state = "ok" if ok == len(checked) else "FAILED"
-        lines.append(
-            f"  {case.title:<70} {ok:>2}/{len(checked):<2} {state:<7}{case.seconds:6.1f} s"
-        )
-    lines.append(
-        f"  {'startup (forkserver imports sglang once)':<70} {'':13}{run.forkserver_seconds:6.1f} s"
-    )
+    for run in runs:
+        if len(runs) > 1:
+            lines.append(f"  {run.config.name}")
+        for case in run.cases:
+            checked = [check for check in case.checks if check.ok is not None]
+            ok = sum(1 for check in checked if check.ok)
+            total += len(checked)
+            passed += ok
+            state = "ok" if ok == len(checked) else "FAILED"
+            lines.append(
+                f"  {case.title:<70} {ok:>2}/{len(checked):<2} {state:<7}{case.seconds:6.1f} s"
+            )
+    forkserver = runs[0].forkserver_seconds if runs else 0.0
+    lines.append(f"  {'startup (forkserver imports sglang once)':<70} {'':13}{forkserver:6.1f} s")
     lines.append("")
     verdict = "every expected outcome holds" if passed == total else "SOME EXPECTED OUTCOMES FAILED"
     lines.append(f"{passed}/{total} checks passed: {verdict}. Wall time {wall:.1f} s.")
     return "\n".join(lines)
 
 
-def intro(config: Any, workspace: Any) -> str:
+def intro(configs: list[Any], keep: bool) -> str:
     text = [
         "Expert layout ledger: the proposal's three GPU cases, end to end on the CPU",
         "=" * WIDTH,
-        f"model shape: {config.describe()}",
+        *(f"model: {config.describe()}" for config in configs),
     ]
     paragraphs = [
-        "Real processes: per EP rank a model-less weight cache daemon (sglang 0.5.23's "
-        "WeightCacheDaemon serve loop and request handler with this plugin's hooks, one SQLite "
-        "ledger each); engines of 2 rank processes on torch.distributed gloo running sglang's "
-        "real ModelRunner.maybe_init_expert_location_metadata (with the plugin's startup hook "
-        "around it, registered by the plugin entry point), EPLBManager.rebalance (with the "
-        "plugin's two-phase hook), ExpertLocationMetadata.init_by_eplb and "
-        "ExpertLocationUpdater (batch_isend_irecv over gloo).",
-        "Stand-ins for what needs a GPU: the daemon's CUDA-IPC expert tensors are shared-memory "
-        "files every engine maps read-write (an in-place move by one engine is seen by all, and "
-        "each expert's bytes carry its logical id); the IPC loader's fetch_state, which maps "
-        "CUDA IPC handles, is replaced by mapping those files and recording that the weights "
-        "came from the daemon; the expert loads are skewed synthetic counts "
-        "(SyntheticLoadRecorder); the ModelRunner is a namespace with the attributes the "
-        "startup method reads.",
+        "Real processes: per EP rank a model-backed weight cache daemon (sglang 0.5.23's own "
+        "WeightCacheDaemon: its process groups on gloo, the model class built from the "
+        "checkpoint's config.json and loaded by sglang's loader from safetensors shards written "
+        "for this run, its serve loop and request handler, with this plugin's hooks and one "
+        "SQLite ledger each); engines of 2 rank processes on torch.distributed gloo running "
+        "sglang's real ModelRunner.maybe_init_expert_location_metadata (with the plugin's "
+        "startup hook around it, registered by the plugin entry point), EPLBManager.rebalance "
+        "(with the plugin's two-phase hook), ExpertLocationMetadata.init_by_eplb and "
+        "ExpertLocationUpdater (batch_isend_irecv over gloo) moving the real routed-expert "
+        "tensors (w13, w2 and FP8 scales). 'Slot s holds expert e' means its bytes equal the "
+        "checkpoint's expert e as sglang's loader places it.",
+        "Stand-ins for what needs a GPU (docs/model-daemons.md): in the daemons, sglang's CPU "
+        "platform, no pynccl, rope in torch, and shared-memory files in place of the CUDA IPC "
+        "export (every engine maps them read-write: an in-place move by one is seen by all); in "
+        "the engines, mapping those files in place of the IPC loader's fetch_state, skewed "
+        "synthetic expert loads (SyntheticLoadRecorder) in place of routed tokens, and a "
+        "namespace with the attributes the startup method reads in place of the ModelRunner. "
+        "Case 4 (c) runs on the synthetic stand-in (model-less daemon, expert bytes that carry "
+        "their id): with the plugin no real load leaves a replica unfilled.",
         "Per-rank values read 'both: X' when each of the 2 EP ranks (or daemons) measured X, "
         "else rank 0's and rank 1's values.",
-        f"Work dir {workspace.root} and shared memory {workspace.shm_root}: removed on exit"
-        + (" unless --keep." if not workspace.keep else " (kept: --keep)."),
+        "Work dirs (named below as each model starts) are removed on exit"
+        + (" unless --keep." if not keep else " (kept: --keep)."),
     ]
     for paragraph in paragraphs:
         text.extend(textwrap.wrap(paragraph, WIDTH))
@@ -229,20 +243,20 @@ def main(argv: list[str] | None = None) -> int:
     set_quiet_sglang_env()  # before anything imports sglang, here or in a process started here
     import demo_cases
 
-    config = demo_cases.DemoConfig(case1_rebalances=args.rebalances)
-    workspace = demo_cases.Workspace(config, keep=args.keep)
+    models = list(demo_cases.MODELS) if args.model == "both" else [args.model]
+    configs = [
+        demo_cases.DemoConfig(model=model, case1_rebalances=args.rebalances) for model in models
+    ]
+    print(intro(configs, args.keep) + "\n", flush=True)
+    runs = []
+    workspace = None
     try:
-        print(intro(config, workspace) + "\n", flush=True)
-
-        def show(case: Any) -> None:
-            print(render_case(case) + "\n", flush=True)
-            if case.facts.get("commands"):
-                print(render_forensics(case), flush=True)
-
-        print("starting the forkserver (it imports sglang once for every process)...", flush=True)
-        seconds = workspace.start_processes()
-        print(f"forkserver ready in {seconds:.1f} s\n", flush=True)
-        run = demo_cases.run_demo(workspace, ROOT / "docs" / "operations.md", on_case=show)
+        for config in configs:
+            workspace = demo_cases.Workspace(config, keep=args.keep)
+            print(f"== {config.name}: work dir {workspace.root}", flush=True)
+            runs.append(_run_model(workspace))
+            _close(workspace)
+            workspace = None
     except (KeyboardInterrupt, Terminated):
         print("\ninterrupted: stopping every process and removing the temp dirs", flush=True)
         _close(workspace)
@@ -254,18 +268,46 @@ def main(argv: list[str] | None = None) -> int:
             print("(run with --keep to keep the logs and ledgers)", flush=True)
         _close(workspace)
         return 2
-    _close(workspace)
     wall = time.monotonic() - started
-    print(render_case1_side_by_side(run), flush=True)
-    print(render_summary(run, wall), flush=True)
-    return 1 if run.failed else 0
+    print(render_case1_side_by_side(runs), flush=True)
+    print(render_summary(runs, wall), flush=True)
+    return 1 if any(run.failed for run in runs) else 0
+
+
+def _run_model(workspace: Any) -> Any:
+    """Every case on one model's daemons; each case's table printed as soon as it is ready."""
+    import demo_cases
+
+    def show(case: Any) -> None:
+        print(render_case(case) + "\n", flush=True)
+        if case.facts.get("commands"):
+            print(render_forensics(case), flush=True)
+
+    if workspace.context is None and not _forkserver_started():
+        print("starting the forkserver (it imports sglang once for every process)...", flush=True)
+    seconds = workspace.start_processes()
+    print(f"forkserver ready in {seconds:.1f} s\n", flush=True)
+    return demo_cases.run_demo(workspace, ROOT / "docs" / "operations.md", on_case=show)
+
+
+def _forkserver_started() -> bool:
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    return getattr(server, "_forkserver_pid", None) is not None
 
 
 def _close(workspace: Any) -> None:
     """Stop every process and remove the temp dirs; a second Ctrl-C cannot cut this short."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if workspace is None:
+        return
+    handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    workspace.close()
+    try:
+        workspace.close()
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """The proposal's three GPU cases, run on the CPU with real processes (``scripts/demo.py``).
 
-Per EP rank a model-less daemon (``sglang_integration.testing.daemon``: sglang's real
-``WeightCacheDaemon`` serve loop with this plugin's hooks and a ledger) and shared-memory expert
-tensors that every engine maps (``sglang_integration.testing.shared_experts``: each expert's bytes
-carry its logical id, so any process can tell which expert a slot holds). Engines of 2 ranks on gloo
+Per EP rank a model-backed daemon (``sglang_integration.testing.daemons``: sglang's own
+``WeightCacheDaemon`` loading a tiny Qwen3-MoE or DeepSeek-V3 checkpoint written for the run,
+with this plugin's hooks and a ledger) whose routed-expert tensors every engine maps from shared
+memory; a slot holds expert e when its bytes equal the checkpoint's expert e as sglang's loader
+places it (``testing.checkpoint_experts``). With ``DemoConfig.model`` None the same cases run on
+the synthetic stand-in (model-less daemons, ``testing.shared_experts`` whose bytes carry their
+id): the suite's reduced demo does, for its time. Engines of 2 ranks on gloo
 (``sglang_integration.testing.cpu_engine``) run sglang's real startup method, ``EPLBManager``,
 ``init_by_eplb`` and ``ExpertLocationUpdater``, through the plugin's real hooks.
 
@@ -32,9 +35,9 @@ seconds); ``scripts/demo.py`` renders it. A check whose expectation fails is a f
 never an exception; a process that fails or hangs raises (``EngineRankError`` and friends).
 """
 
-from demo_cases.config import DemoConfig
+from demo_cases.config import MODELS, DemoConfig
 from demo_cases.results import CaseResult, Check
 from demo_cases.run import DemoRun, run_demo
 from demo_cases.workspace import Workspace
 
-__all__ = ["CaseResult", "Check", "DemoConfig", "DemoRun", "Workspace", "run_demo"]
+__all__ = ["MODELS", "CaseResult", "Check", "DemoConfig", "DemoRun", "Workspace", "run_demo"]

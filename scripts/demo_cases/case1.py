@@ -15,7 +15,6 @@ from demo_cases.results import CaseResult, both, per_rank, slots, yes
 from demo_cases.workspace import (
     Workspace,
     content_checks,
-    held_map,
     matching,
     query_daemons,
     wait_for_daemons,
@@ -81,7 +80,11 @@ def _engine_a_rebalances(
     )
     result.info(
         "A: slots that moved away from the initial layout",
-        slots(config.all_slots - matching(a_map, config.initial_map()), config),
+        slots(
+            config.all_slots
+            - matching(config.moe_rows(a_map), config.moe_rows(config.initial_map())),
+            config,
+        ),
     )
     engine_a.exit()
     layouts = wait_for_daemons(daemons, lambda layout: not layout.attached, "A detached")
@@ -156,12 +159,13 @@ def _engine_b_adopts(
         per_rank(yes(value) for value in checked),
         all(checked),
     )
-    held = held_map(expert_dir)
+    held = workspace.held_map(expert_dir)
+    right = matching(held, config.moe_rows(b_map))
     result.check(
         "B: the same, read from shared memory by this process",
         slots(config.all_slots, config),
-        slots(matching(held, b_map), config),
-        matching(held, b_map) == config.all_slots,
+        slots(right, config),
+        right == config.all_slots,
     )
     engine_b.exit()
     if line:
@@ -187,8 +191,8 @@ def run_case1_without_plugin(workspace: Workspace, plugin_a_map: Map | None) -> 
     result = CaseResult("Case 1, plugin disabled: the bug (sglang 0.5.23's own behaviour)")
     started = time.monotonic()
     n = config.case1_rebalances
-    daemons = workspace.daemons("case1-no-plugin", record="no-plugin")
     expert_dir = workspace.experts("case1-no-plugin")
+    daemons = workspace.daemons("case1-no-plugin", record="no-plugin", experts=expert_dir)
     replies = query_daemons(daemons)
     result.check(
         "sglang's own daemon answers expert_layout_query",
@@ -224,15 +228,18 @@ def run_case1_without_plugin(workspace: Workspace, plugin_a_map: Map | None) -> 
         "the initial layout" if b_map == config.initial_map() else "another layout",
         b_map == config.initial_map(),
     )
-    held = held_map(expert_dir)
-    wrong = config.all_slots - matching(held, b_map)
+    held = workspace.held_map(expert_dir)
+    wrong = config.all_slots - matching(held, config.moe_rows(b_map))
     result.check(
         "B: slots read wrongly (not the expert B's map names)",
         "> 0 (the bug)",
         slots(wrong, config),
         wrong > 0,
     )
-    result.info("shared memory holds A's last layout", slots(matching(held, a_map), config))
+    result.info(
+        "shared memory holds A's last layout",
+        slots(matching(held, config.moe_rows(a_map)), config),
+    )
     engine_b.exit()
     result.facts.update(
         wrong=wrong,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from demo_cases.results import CaseResult, both, per_rank, slots
-from demo_cases.workspace import Workspace, held_map, matching, query_daemons
+from demo_cases.workspace import Workspace, matching, query_daemons
 from layout_ledger.core.layout import Map
 from sglang_integration.testing.cpu_engine import CpuEngine
 
@@ -104,9 +104,9 @@ def _rebalances_pause(
     config = workspace.config
     with_standby = config.case2_rebalances[1]
     v1 = config.case2_rebalances[0] * config.chunks_per_rebalance
-    held_before = held_map(expert_dir)
+    held_before = workspace.held_map(expert_dir)
     paused = engine_a.rebalance(with_standby)
-    held_during = held_map(expert_dir)
+    held_during = workspace.held_map(expert_dir)
     result.check(
         f"A's {with_standby} rebalances with C attached: busy, paused",
         both(with_standby, config.ep_size),

@@ -11,7 +11,7 @@ from typing import Any
 
 from demo_cases.config import DemoConfig
 from demo_cases.results import CaseResult, both, per_rank, slots
-from demo_cases.workspace import Workspace, held_map, matching, query_daemons, wait_for_daemons
+from demo_cases.workspace import Workspace, matching, query_daemons, wait_for_daemons
 from layout_ledger.core.layout import Map
 
 # Engine B of (b) starts as engines did before content checks: it does not repair (case 4 does).
@@ -40,7 +40,8 @@ def run_case3(workspace: Workspace) -> tuple[CaseResult, list[Any], Path]:
 
 
 def _first_chunk(config: DemoConfig) -> list[int]:
-    return list(range(min(config.layers_per_chunk, config.num_layers)))
+    """The layers of a rebalance's first chunk: the first MoE layers."""
+    return config.moe_layer_ids[: config.layers_per_chunk]
 
 
 def _kill_between_chunks(workspace: Workspace, result: CaseResult) -> int:
@@ -71,12 +72,14 @@ def _kill_between_chunks(workspace: Workspace, result: CaseResult) -> int:
         not any(layout.dirty for layout in layouts),
     )
     half, before = stopped[0]["map"], stopped[0]["map_before"]
-    cut = len(first_chunk)
+    cut = first_chunk[-1] + 1
+    moved = _layers_where(half, before, config.moe_layer_ids, moved=True)
+    kept = _layers_where(half, before, config.moe_layer_ids, moved=False)
     result.check(
-        f"(a) A's map: layers moved / as at version {committed - 1}",
-        f"{_layers(0, cut)} / {_layers(cut, config.num_layers)}",
-        f"{_layers_where(half, before, moved=True)} / {_layers_where(half, before, moved=False)}",
-        all(half[layer] != before[layer] for layer in range(cut)) and half[cut:] == before[cut:],
+        f"(a) A's map: MoE layers moved / as at version {committed - 1}",
+        f"{_layer_list(first_chunk)} / {_layers(cut, config.num_hidden_layers)}",
+        f"{moved} / {kept}",
+        all(half[layer] != before[layer] for layer in first_chunk) and half[cut:] == before[cut:],
     )
     engine_b = workspace.launch("case3-between-chunks", "B", daemons, expert_dir)
     b_reports = engine_b.started
@@ -86,8 +89,8 @@ def _kill_between_chunks(workspace: Workspace, result: CaseResult) -> int:
         per_rank(r["session"]["version"] for r in b_reports),
         all(r["session"]["version"] == committed for r in b_reports),
     )
-    held = held_map(expert_dir)
-    b_correct = matching(held, b_reports[0]["map"])
+    held = workspace.held_map(expert_dir)
+    b_correct = matching(held, config.moe_rows(b_reports[0]["map"]))
     result.check(
         "(a) B: slots holding the expert B's metadata names",
         slots(config.all_slots, config),
@@ -113,7 +116,7 @@ def _kill_in_move(workspace: Workspace, result: CaseResult) -> tuple[list[Any], 
     engine_a.stop_in_move(k)
     a_id = engine_a.engine_id
     layouts = [reply.layout for reply in query_daemons(daemons)]
-    expected_pending = f"layers {_layers(0, len(first_chunk))}, base {base}"
+    expected_pending = f"layers {_layer_list(first_chunk)}, base {base}"
     result.check(
         "(b) stopped in the move after begin: A's pending",
         both(expected_pending, config.ep_size),
@@ -135,11 +138,11 @@ def _kill_in_move(workspace: Workspace, result: CaseResult) -> tuple[list[Any], 
             for layout in layouts
         ),
     )
-    held = held_map(expert_dir)
+    held = workspace.held_map(expert_dir)
     committed_map = layouts[0].physical_to_logical_map
     result.info(
         "(b) slots already moved (B would misread them)",
-        slots(config.all_slots - matching(held, committed_map), config),
+        slots(config.all_slots - matching(held, config.moe_rows(committed_map)), config),
     )
     engine_a.kill()
     layouts = wait_for_daemons(daemons, lambda layout: not layout.attached, "A detached")
@@ -218,10 +221,8 @@ def _layers(first: int, end: int) -> str:
     return "none" if end <= first else f"{first}-{end - 1}" if end - first > 1 else str(first)
 
 
-def _layers_where(after: Map, before: Map, *, moved: bool) -> str:
-    return _layer_list(
-        [layer for layer in range(len(after)) if (after[layer] != before[layer]) == moved]
-    )
+def _layers_where(after: Map, before: Map, layers: Sequence[int], *, moved: bool) -> str:
+    return _layer_list([layer for layer in layers if (after[layer] != before[layer]) == moved])
 
 
 def _layer_list(layers: Sequence[int]) -> str:

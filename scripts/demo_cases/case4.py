@@ -15,7 +15,6 @@ from demo_cases.results import CaseResult, both, per_rank, slots, yes
 from demo_cases.workspace import (
     Workspace,
     content_checks,
-    held_map,
     matching,
     query_daemons,
     wait_for_daemons,
@@ -64,7 +63,7 @@ def _engine_b_repairs(
     line = next((text for _, text in reports[0]["logs"] if text.startswith(REPAIR_LINE)), "")
     named = str(case3.facts["engine_a"]) in line and f"layers {layers}" in line
     result.check(f"B logs the repair of layers {layers} A left", "yes", yes(named), named)
-    correct = matching(held_map(expert_dir), reports[0]["map"])
+    correct = matching(workspace.held_map(expert_dir), config.moe_rows(reports[0]["map"]))
     result.check(
         "B: slots holding the expert B's map names",
         slots(config.all_slots, config),
@@ -176,19 +175,14 @@ def _half_written_slot(
 ) -> None:
     """B is SIGKILLed inside its next move; one slot of a pending layer is half overwritten
     with another expert's bytes; C refuses to start, naming it; nothing is recorded."""
-    from sglang_integration.testing.shared_experts import attach_shared_experts, expert_values
-
     config = workspace.config
     engine_b.stop_in_move(0)
     engine_b.kill()
     wait_for_daemons(daemons, lambda layout: layout.dirty, "dirty")
-    held = held_map(expert_dir)[0][1]
-    other = (held + 1) % config.num_logical_experts
-    experts = attach_shared_experts(expert_dir, 0)
-    half = sum(experts.shape.widths) // 2
-    experts.tensors[0][0, 1, :half] = expert_values(0, other, 0, experts.shape.widths[0])[:half]
+    layer = config.first_moe_layer
+    held, other = workspace.overwrite_half(expert_dir, layer, 1)
     result.info(
-        "(b) B SIGKILLed mid-move; slot 1 of layer 0 then half-written",
+        f"(b) B SIGKILLed mid-move; slot 1 of layer {layer} then half-written",
         f"expert {other} over {held}",
     )
     versions = [reply.layout.version for reply in query_daemons(daemons)]
@@ -201,7 +195,7 @@ def _half_written_slot(
         len(engine_c.failed) == config.ep_size,
     )
     named = (
-        f"rank 0 layer 0 slot 1 holds partial: parts 0-1 of expert {other}, parts 2-3 of "
+        f"rank 0 layer {layer} slot 1 holds partial: parts 0-1 of expert {other}, parts 2-3 of "
         f"expert {held}"
     )
     result.check(
@@ -221,16 +215,20 @@ def _half_written_slot(
 def _unfilled_replica(workspace: Workspace, result: CaseResult) -> None:
     """A daemon holding every slot (EP 1: two copies of experts 0-3) loads with one replica's
     bytes zero and expert 5's only copy of layer 1 all -0.0 (no replica to differ from): it
-    refuses fetch_state and begin, naming layers and slots."""
+    refuses fetch_state and begin, naming layers and slots.
+
+    On the synthetic stand-in whatever the model: sglang's loader, with the plugin, fills every
+    replica (docs/daemon.md "Every replica filled"), so no real load here leaves one unfilled;
+    the model-less daemon fingerprints the bytes it is given exactly as a model-backed one."""
     from sglang_integration.engine import client
     from sglang_integration.testing.daemon_control import request
     from sglang_integration.testing.shared_experts import attach_shared_experts
 
-    expert_dir = workspace.experts("case4-unfilled", ep_size=1)
+    expert_dir = workspace.experts("case4-unfilled", ep_size=1, synthetic=True)
     for tensor in attach_shared_experts(expert_dir, 0).tensors:
         tensor[5, 10].zero_()  # slot 10 of layer 5: the second copy of expert 2, never filled
         tensor[1, 5] = -0.0  # slot 5 of layer 1: expert 5's only copy, every value -0.0
-    (daemon,) = workspace.daemons("case4-unfilled", experts=expert_dir, count=1)
+    (daemon,) = workspace.daemons("case4-unfilled", experts=expert_dir, count=1, synthetic=True)
     layout = client.query(daemon.socket_path).layout
     reason = (layout.dirty_reason or "") if layout is not None else ""
     named = (

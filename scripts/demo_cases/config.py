@@ -1,4 +1,4 @@
-"""The demo's model shape and how many rebalances each case runs."""
+"""The demo's model, its shape and how many rebalances each case runs."""
 
 from __future__ import annotations
 
@@ -6,11 +6,22 @@ from dataclasses import dataclass
 
 from layout_ledger.core.layout import Map, trivial_map
 
+# The models the demo runs on (scripts/demo.py runs each in turn), with their checkpoints' dtype.
+MODELS = {"qwen3_moe": "bf16", "deepseek_v3": "fp8_block"}
+MODEL_NAMES = {"qwen3_moe": "Qwen3-MoE, BF16", "deepseek_v3": "DeepSeek-V3, FP8 blocks"}
+
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """The model shape and how many rebalances each case runs."""
+    """The model, its shape and how many rebalances each case runs.
 
+    ``model`` names the architecture of the model-backed daemons (a checkpoint written for the
+    run, ``MODELS``); None runs the synthetic stand-in (model-less daemons and expert bytes that
+    carry their id: what the suite's reduced demo uses, for its time). ``num_layers`` counts
+    the MoE layers; DeepSeek-V3's first layer is dense, before them.
+    """
+
+    model: str | None = None
     num_layers: int = 8
     num_logical_experts: int = 8
     num_redundant_experts: int = 4  # 2 per EP rank
@@ -20,6 +31,27 @@ class DemoConfig:
     case2_rebalances: tuple[int, int, int] = (3, 3, 3)  # alone, with the standby, after it
     case3_rebalances_before_kill: int = 2
     load_seed: int = 11
+
+    @property
+    def first_moe_layer(self) -> int:
+        return 1 if self.model == "deepseek_v3" else 0
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """The rows of a map: every layer of the model, dense ones included."""
+        return self.first_moe_layer + self.num_layers
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return list(range(self.first_moe_layer, self.num_hidden_layers))
+
+    @property
+    def dtype(self) -> str:
+        return MODELS[self.model] if self.model is not None else "synthetic"
+
+    @property
+    def name(self) -> str:
+        return MODEL_NAMES[self.model] if self.model is not None else "synthetic stand-in"
 
     @property
     def num_physical_slots(self) -> int:
@@ -34,13 +66,22 @@ class DemoConfig:
         return -(-self.num_layers // self.layers_per_chunk)
 
     def initial_map(self) -> Map:
-        return trivial_map(self.num_layers, self.num_physical_slots, self.num_logical_experts)
+        """sglang's initial (trivial) layout: a row for every layer of the model."""
+        return trivial_map(
+            self.num_hidden_layers, self.num_physical_slots, self.num_logical_experts
+        )
+
+    def moe_rows(self, the_map: Map) -> Map:
+        """The rows of the MoE layers (the slots that hold routed experts)."""
+        return the_map[self.first_moe_layer :]
 
     def describe(self) -> str:
         per_rank_slots = self.num_physical_slots // self.ep_size
         per_rank_redundant = self.num_redundant_experts // self.ep_size
+        dense = f" after {self.first_moe_layer} dense layer" if self.first_moe_layer else ""
         return (
-            f"{self.num_layers} MoE layers x {self.num_physical_slots} physical slots "
+            f"{self.name}: {self.num_layers} MoE layers{dense} x {self.num_physical_slots} "
+            "physical slots "
             f"({self.num_logical_experts} logical experts + {self.num_redundant_experts} "
             f"redundant), EP {self.ep_size} ({self.ep_size} gloo ranks, {per_rank_slots} slots "
             f"and {per_rank_redundant} redundant per rank), {self.layers_per_chunk} layers per "

@@ -1,5 +1,12 @@
 """The demo's workspace: temp dirs, the forkserver, daemons, shared-memory experts and engines
-started in it, their cleanup, and reading what they serve and hold."""
+started in it, their cleanup, and reading what they serve and hold.
+
+With a model (``DemoConfig.model``) the daemons are model-backed (``testing.daemons``: sglang's
+own daemon loading a checkpoint written for the run), the experts are their real routed-expert
+tensors, and what a slot holds is judged against the checkpoint (``testing.checkpoint_experts``);
+without one, or where a case asks for it (``synthetic=True``), they are the synthetic stand-in
+(model-less daemons, ``testing.shared_experts`` whose bytes carry their id).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from demo_cases.config import DemoConfig
-from layout_ledger.core.layout import Map
+from layout_ledger.core.layout import Map, trivial_map
 from sglang_integration.testing.cpu_engine import (
     CpuEngine,
     EngineSpec,
@@ -30,9 +37,10 @@ DETACH_TIMEOUT = 30.0
 class Workspace:
     """A temp dir for everything, the processes started in it, and their cleanup.
 
-    Expert tensors live in a second temp dir under ``/dev/shm`` (shared memory) where there is
-    one. ``close`` kills every engine rank still running, stops every daemon and removes both
-    dirs (unless ``keep``); it runs on success, failure and Ctrl-C alike.
+    The synthetic stand-in's expert tensors live in a second temp dir under ``/dev/shm`` (shared
+    memory) where there is one; a model-backed daemon's lie beside its socket. ``close`` kills
+    every engine rank still running, stops every daemon and removes both dirs (unless ``keep``);
+    it runs on success, failure and Ctrl-C alike.
     """
 
     def __init__(self, config: DemoConfig, keep: bool = False) -> None:
@@ -44,13 +52,28 @@ class Workspace:
             self.shm_root = Path(tempfile.mkdtemp(prefix="layout-ledger-demo-", dir=shm))
         else:
             self.shm_root = self.root / "shared-memory"
-        self.model_dir = write_tiny_moe_config(
-            self.root / "model", config.num_layers, config.num_logical_experts
-        )
+        self.checkpoint: Path | None = None
+        if config.model is not None:
+            from sglang_integration.testing.checkpoint import CheckpointSpec, write_checkpoint
+
+            spec = CheckpointSpec(
+                model=config.model,
+                dtype=config.dtype,
+                seed=config.load_seed,
+                num_layers=config.num_hidden_layers,
+                num_experts=config.num_logical_experts,
+            )
+            self.checkpoint = write_checkpoint(self.root / "checkpoint", spec)
+            self.model_dir = self.checkpoint
+        else:
+            self.model_dir = write_tiny_moe_config(
+                self.root / "model", config.num_layers, config.num_logical_experts
+            )
         self.context: Any = None
         self.startup_seconds = 0.0
         self._engines: list[CpuEngine] = []
         self._daemons: list[Any] = []
+        self._groups: list[Any] = []
 
     def start_processes(self) -> float:
         """Start the forkserver (it imports sglang once); the seconds it took.
@@ -79,16 +102,23 @@ class Workspace:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
+    @property
+    def model_backed(self) -> bool:
+        return self.checkpoint is not None
+
     def daemons(
         self,
         case: str,
         record: str = "ledger",
         experts: Path | None = None,
         count: int | None = None,
+        synthetic: bool = False,
     ) -> list[Any]:
-        """One model-less daemon per EP rank (``count`` of them: ranks 0..count-1), serving when
-        this returns; with ``experts``, each serves (and fingerprints) its rank's expert files
-        there (``--experts``).
+        """One daemon per EP rank, serving when this returns. Model-backed (unless
+        ``synthetic``): a group loading the checkpoint, in ``experts`` (``experts()``'s run
+        directory); ``record`` is ledger, none (no ``--enable-eplb``) or no-plugin. Else
+        model-less daemons (``count`` of them: ranks 0..count-1); with ``experts``, each serves
+        (and fingerprints) its rank's expert files there (``--experts``).
 
         As ``daemon_control.start_daemon`` starts them, except that each releases its copy of
         the forkserver's keep-alive pipe first (``release_forkserver``), so that no daemon
@@ -100,6 +130,8 @@ class Workspace:
             wait_until_serving,
         )
 
+        if self.model_backed and not synthetic:
+            return self._model_daemons(case, record, experts)
         config = self.config
         directory = self.case_dir(case)
         started = []
@@ -132,22 +164,45 @@ class Workspace:
             started.append(daemon)
         return started
 
-    def experts(self, case: str, ep_size: int | None = None) -> Path:
-        """New shared-memory experts in the daemons' initial layout (a daemon's fresh load), of
+    def _model_daemons(self, case: str, record: str, run_dir: Path | None) -> list[Any]:
+        from sglang_integration.testing.daemons import start_model_daemons
+
+        flags = {"ledger": [], "none": ["--no-record"], "no-plugin": ["--without-plugin"]}
+        if self.checkpoint is None or record not in flags:
+            raise ValueError(f"no model-backed daemons with record {record!r}")
+        group = start_model_daemons(
+            run_dir or self.experts(case),
+            self.checkpoint,
+            ep_size=self.config.ep_size,
+            num_redundant_experts=self.config.num_redundant_experts,
+            daemon_args=flags[record],
+        )
+        self._groups.append(group)
+        return [group.daemon(rank) for rank in range(group.ep_size)]
+
+    def experts(self, case: str, ep_size: int | None = None, synthetic: bool = False) -> Path:
+        """Where a case's experts are. Model-backed (unless ``synthetic``): the run directory of
+        its daemons, whose fresh load puts the checkpoint's experts in their initial layout
+        there. Else new synthetic shared-memory experts in the daemons' initial layout, of
         ``ep_size`` ranks (the config's by default)."""
         from sglang_integration.testing.shared_experts import (
             ExpertTensorShape,
             create_shared_experts,
         )
 
+        if self.model_backed and not synthetic:
+            return self.case_dir(case) / "run"
         config = self.config
         directory = self.shm_root / case
         ranks = config.ep_size if ep_size is None else ep_size
         shape = ExpertTensorShape(
             config.num_layers, config.num_logical_experts, config.num_physical_slots, ranks
         )
+        initial = trivial_map(
+            config.num_layers, config.num_physical_slots, config.num_logical_experts
+        )  # the model-less daemon's initial layout: one row per MoE layer
         for rank in range(ranks):
-            create_shared_experts(directory, rank, shape, config.initial_map())
+            create_shared_experts(directory, rank, shape, initial)
         return directory
 
     def launch(
@@ -172,6 +227,7 @@ class Workspace:
             load_seed=self.config.load_seed,
             log_dir=str(self.case_dir(case)),
             env=env,
+            checkpoint=None if self.checkpoint is None else str(self.checkpoint),
         )
         engine = CpuEngine.launch(spec, self.context)
         self._engines.append(engine)
@@ -186,7 +242,57 @@ class Workspace:
             if process.is_alive()
         ]
         alive += [f"daemon {d.socket_path} (pid {d.pid})" for d in self._daemons if d.is_alive()]
+        alive += [
+            f"daemon {group.socket(rank)} (pid {group.pid(rank)})"
+            for group in self._groups
+            for rank in range(group.ep_size)
+            if group.is_alive(rank)
+        ]
         return alive
+
+    # ------------------------------------------------------------ what the slots hold
+
+    def held_map(self, expert_dir: Path) -> Map:
+        """Which logical expert every slot of each MoE layer holds, read by this process from
+        shared memory (-1: no whole expert): judged against the checkpoint when model-backed,
+        else read from the synthetic bytes."""
+        if not self.model_backed or not (expert_dir / "rank0.routed.json").exists():
+            return held_map(expert_dir)
+        from sglang_integration.testing.checkpoint_experts import ModelExperts
+
+        rows: dict[int, list[int]] = {}
+        for rank in range(self.config.ep_size):
+            experts = ModelExperts(str(expert_dir / f"rank{rank}.sock"), str(self.checkpoint))
+            for layer, held in experts.held_rows().items():
+                rows.setdefault(layer, []).extend(held)
+        return [rows[layer] for layer in self.config.moe_layer_ids]
+
+    def overwrite_half(self, expert_dir: Path, layer: int, slot: int) -> tuple[int, int]:
+        """Overwrite the first half of rank 0's ``slot`` of ``layer`` (its first two fingerprint
+        parts) with another expert's bytes, as a mover killed mid-copy leaves it: (the expert it
+        held, the expert written over it)."""
+        config = self.config
+        if not self.model_backed:
+            from sglang_integration.testing.shared_experts import (
+                attach_shared_experts,
+                expert_values,
+            )
+
+            held = held_map(expert_dir)[layer][slot]
+            other = (held + 1) % config.num_logical_experts
+            experts = attach_shared_experts(expert_dir, 0)
+            half = sum(experts.shape.widths) // 2
+            width = experts.shape.widths[0]
+            experts.tensors[0][layer, slot, :half] = expert_values(layer, other, 0, width)[:half]
+            return held, other
+        from sglang_integration.testing.routed_weights import attach_routed_weights
+
+        row = self.held_map(expert_dir)[layer - config.first_moe_layer]
+        held = row[slot]
+        source = next(s for s in range(len(row) // config.ep_size) if row[s] not in (held, -1))
+        tensors = attach_routed_weights(expert_dir / "rank0.sock").routed_experts_weights_of_layer
+        overwrite_first_words(tensors[layer], slot, source)
+        return held, row[source]
 
     def close(self) -> None:
         from sglang_integration.testing.shared_experts import remove_shared_experts
@@ -194,6 +300,9 @@ class Workspace:
         for engine in self._engines:
             with contextlib.suppress(Exception):
                 engine.kill()
+        for group in self._groups:
+            with contextlib.suppress(Exception):
+                group.stop(timeout=10.0)
         for daemon in self._daemons:
             with contextlib.suppress(Exception):
                 daemon.stop(timeout=10.0)
@@ -301,8 +410,27 @@ def content_checks(daemons: Sequence[Any]) -> list[str]:
     return texts
 
 
+def overwrite_first_words(tensors: Sequence[Any], slot: int, source: int) -> None:
+    """Copy the first half of ``source``'s words (the tensors' bytes one after the other, as
+    the fingerprint reads them: parts 0-1 of 4) over ``slot``'s."""
+    import torch
+
+    sizes = [tensor[slot].numel() * tensor.element_size() for tensor in tensors]
+    if any(size % 4 for size in sizes):
+        raise ValueError(f"a slot's tensor is not whole int32 words: {sizes} bytes")
+    left = sum(size // 4 for size in sizes) * 2 // 4 * 4  # bytes of the first two parts
+    for tensor, size in zip(tensors, sizes, strict=True):
+        count = min(left, size)
+        if count <= 0:
+            break
+        target = tensor[slot].view(-1).view(torch.uint8)
+        target[:count] = tensor[source].view(-1).view(torch.uint8)[:count]
+        left -= count
+
+
 def held_map(expert_dir: Path) -> Map:
-    """Which logical expert every slot's bytes hold, read by this process from shared memory."""
+    """Which logical expert every slot's bytes hold, read by this process from the synthetic
+    stand-in's shared memory."""
     from sglang_integration.testing.shared_experts import read_physical_to_logical_map
 
     return read_physical_to_logical_map(expert_dir)

@@ -40,6 +40,7 @@ from sglang_integration.daemon.layout_side import (
     daemon_layout,
     set_daemon_layout,
 )
+from sglang_integration.daemon.placement import register_placement_hook
 from sglang_integration.daemon.record_opening import (
     check_loaded_content,
     config_fingerprint,
@@ -157,12 +158,14 @@ def register_spawn_hook() -> None:
 
 
 def register_daemon_hooks() -> None:
-    """Register the daemon-class hooks and the spawn hook (applied by ``apply_hooks``)."""
+    """Register the daemon-class hooks (``placement``'s among them) and the spawn hook (applied
+    by ``apply_hooks``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(LOAD_TARGET, around_load, HookType.AROUND)
     HookRegistry.register(SERVE_TARGET, around_serve, HookType.AROUND)
     HookRegistry.register(HANDLE_TARGET, around_handle_connection, HookType.AROUND)
+    register_placement_hook()
     register_spawn_hook()
 
 

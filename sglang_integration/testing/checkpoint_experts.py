@@ -114,17 +114,19 @@ class CheckpointExperts:
         first dimension the local slots, named ``names``)."""
         import torch
 
-        experts = [self.expected_tensors(layer, e, names) for e in range(num_experts)]
+        experts = [
+            [_raw(t) for t in self.expected_tensors(layer, e, names)] for e in range(num_experts)
+        ]
+        for t, expected in zip(tensors, self.expected_tensors(layer, 0, names), strict=True):
+            if tuple(t.shape[1:]) != tuple(expected.shape) or t.dtype != expected.dtype:
+                raise CheckpointError(
+                    f"layer {layer}: a slot's tensor is {tuple(t.shape[1:])} {t.dtype}, the "
+                    f"checkpoint's expert is {tuple(expected.shape)} {expected.dtype}: is this "
+                    "the checkpoint the daemon loaded?"
+                )
         judged = []
         for slot in range(tensors[0].shape[0]):
-            held = [t[slot] for t in tensors]
-            for t, expected in zip(held, experts[0], strict=True):
-                if t.shape != expected.shape or t.dtype != expected.dtype:
-                    raise CheckpointError(
-                        f"layer {layer}: a slot's tensor is {tuple(t.shape)} {t.dtype}, the "
-                        f"checkpoint's expert is {tuple(expected.shape)} {expected.dtype}: "
-                        "is this the checkpoint the daemon loaded?"
-                    )
+            held = [_raw(t[slot]) for t in tensors]
             equal = tuple(
                 e
                 for e, expected in enumerate(experts)
@@ -134,10 +136,12 @@ class CheckpointExperts:
                 names_text = "/".join(str(e) for e in equal)
                 text = f"expert {equal[0]}" if len(equal) == 1 else f"experts {names_text} (tied)"
                 judged.append(SlotContent(equal, text))
-            elif all(bool((t.float() == 0).all()) for t in held):
+            elif all(bool((t[slot].float() == 0).all()) for t in tensors):
                 judged.append(SlotContent((), _zero_filled()))
             else:
-                judged.append(SlotContent((), self._described(layer, held, names, num_experts)))
+                slot_tensors = [t[slot] for t in tensors]
+                text = self._described(layer, slot_tensors, names, num_experts)
+                judged.append(SlotContent((), text))
         return judged
 
     def _described(
@@ -170,6 +174,14 @@ class CheckpointExperts:
             layer: self.judge_layer(layer, routed[layer], names[layer], num_experts)
             for layer in sorted(routed)
         }
+
+
+def _raw(tensor: Any) -> Any:
+    """A tensor's bytes (compared as bytes: the same bytes are the same expert, whatever the
+    dtype's notion of equal values; and a byte compare is fast for every dtype)."""
+    import torch
+
+    return tensor.contiguous().view(-1).view(torch.uint8)
 
 
 def _zero_filled() -> str:
@@ -210,3 +222,47 @@ def num_routed_experts(config: Mapping[str, Any]) -> int:
         if isinstance(value, int) and value > 0:
             return value
     raise CheckpointError("config.json names no routed experts (num_experts, n_routed_experts)")
+
+
+class ModelExperts:
+    """An engine rank's view of its daemon's real routed experts, mapped from the daemon's shared
+    file and judged against the checkpoint (what ``shared_experts.SharedExperts`` is for the
+    synthetic stand-in: ``model()``, ``count_matching_slots``, ``slot_count``)."""
+
+    def __init__(self, socket_path: str, checkpoint: str | Path) -> None:
+        from sglang_integration.testing.checkpoint import read_config
+        from sglang_integration.testing.routed_weights import attach_routed_weights
+
+        self.weights = attach_routed_weights(socket_path)
+        self.judge = CheckpointExperts(checkpoint)
+        self.num_experts = num_routed_experts(read_config(checkpoint))
+
+    @property
+    def first_slot(self) -> int:
+        return self.weights.first_slot
+
+    @property
+    def slot_count(self) -> int:
+        """The judged slots: this rank's local slots of every MoE layer."""
+        return len(self.weights.routed_experts_weights_of_layer) * self.weights.num_local_slots
+
+    def model(self) -> Any:
+        from sglang_integration.testing.routed_weights import RoutedModel
+
+        return RoutedModel(self.weights)
+
+    def judged(self) -> dict[int, list[SlotContent]]:
+        return self.judge.judge_routed(
+            self.weights.routed_experts_weights_of_layer, self.weights.names, self.num_experts
+        )
+
+    def count_matching_slots(self, physical_to_logical_map: Sequence[Sequence[int]]) -> int:
+        """How many of this rank's slots hold the expert the map names there."""
+        return count_matching(self.judged(), physical_to_logical_map, self.first_slot)
+
+    def held_rows(self) -> dict[int, list[int]]:
+        """Per MoE layer, the expert each local slot holds whole (-1: none, or tied experts)."""
+        return {
+            layer: [content.experts[0] if len(content.experts) == 1 else -1 for content in row]
+            for layer, row in self.judged().items()
+        }

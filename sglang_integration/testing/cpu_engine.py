@@ -4,9 +4,10 @@ One engine of ``world_size`` ranks is ``world_size`` fresh processes forked from
 that imported sglang once (``engine_process_context``); each runs ``run_engine_rank``, and
 ``CpuEngine`` is the parent's handle on them. Two GPU stand-ins, and only these: a namespace in
 place of the ``ModelRunner`` (with the expert distribution recorder's counters on the CPU,
-``_counters_on_the_cpu``) and the shared-memory experts (``shared_experts``) in place of the
-daemon's CUDA IPC tensors. Each rank's output goes to a log file; its plugin log lines also
-come back in reports.
+``_counters_on_the_cpu``) and shared memory in place of the daemon's CUDA IPC tensors: on
+model-backed daemons (``EngineSpec.checkpoint``) the daemon's real routed-expert parameters
+(``routed_weights``), else the synthetic stand-in's files (``shared_experts``). Each rank's
+output goes to a log file; its plugin log lines also come back in reports.
 """
 
 from __future__ import annotations
@@ -221,7 +222,12 @@ def routed_map() -> list[list[int]]:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What every rank of one engine needs; ``sockets[r]`` is rank r's daemon."""
+    """What every rank of one engine needs; ``sockets[r]`` is rank r's daemon.
+
+    With ``checkpoint`` (model-backed daemons: ``model_dir`` is that checkpoint), each rank maps
+    its daemon's real routed-expert tensors; without it, the synthetic stand-in's files in
+    ``expert_dir``.
+    """
 
     name: str
     model_dir: str
@@ -234,6 +240,7 @@ class EngineSpec:
     load_seed: int = 11
     log_dir: str | None = None
     env: tuple[tuple[str, str], ...] = ()  # set in each rank's environment before it starts
+    checkpoint: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -331,6 +338,7 @@ class _EngineRank:
         self.rebalances_run = 0
         self.startup_seconds = 0.0
         self.manager: Any = None
+        self.experts: Any = None
         self.model: Any = None
         self.updater: StoppableUpdater | None = None
 
@@ -343,11 +351,6 @@ class _EngineRank:
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        from sglang_integration.testing.shared_experts import (
-            SharedExpertsModel,
-            attach_shared_experts,
-            read_shape,
-        )
         from sglang_integration.testing.synthetic_load import SyntheticLoadRecorder
 
         spec, rank = self.spec, self.rank
@@ -377,11 +380,10 @@ class _EngineRank:
             # What the IPC loader hook records once the daemon served fetch_state; that fetch
             # maps CUDA IPC handles, so here the experts are mapped from shared memory instead.
             record_weight_source(WeightSource.DAEMON)
-        shape = read_shape(spec.expert_dir, rank)
+        experts, model, (num_layers, num_logical) = _mapped_experts(spec, rank)
         set_global_expert_distribution_recorder(
-            SyntheticLoadRecorder(shape.num_layers, shape.num_logical_experts, seed=spec.load_seed)
+            SyntheticLoadRecorder(num_layers, num_logical, seed=spec.load_seed)
         )
-        model = SharedExpertsModel(attach_shared_experts(spec.expert_dir, rank))
         if spec.plugin:
             from sglang_integration.engine.load_check import around_load_model
 
@@ -389,7 +391,7 @@ class _EngineRank:
             # experts mapped from shared memory (the IPC loader's zero-copy mapping on a GPU).
             around_load_model(lambda loaded: setattr(loaded, "model", model), runner)
         updater = StoppableUpdater(ExpertLocationUpdater())
-        self.model, self.updater = model, updater
+        self.experts, self.model, self.updater = experts, model, updater
         self.manager = EPLBManager(
             model_config=model_config,
             get_model=lambda: model,
@@ -405,14 +407,14 @@ class _EngineRank:
         """What this rank knows now: its metadata's map and the bytes it maps, its session with
         the daemon and its rebalance state (with the plugin), and its daemon's answer."""
         engine_map = routed_map()
-        experts = self.model.experts
+        experts = self.experts
         report: dict[str, Any] = {
             "rank": self.rank,
             "engine": self.spec.name,
             "plugin": self.spec.plugin,
             "map": engine_map,
             "matching": experts.count_matching_slots(engine_map),
-            "local_slots": experts.shape.num_layers * experts.shape.num_local_slots,
+            "local_slots": experts.slot_count,
             "rebalances_run": self.rebalances_run,
             "startup_seconds": self.startup_seconds,
             "session": None,
@@ -566,6 +568,31 @@ class _EngineRank:
             close_session()
 
 
+def _mapped_experts(spec: EngineSpec, rank: int) -> tuple[Any, Any, tuple[int, int]]:
+    """This rank's experts (what its report judges), its model (what sglang's EPLB reads) and
+    the (layers, logical experts) of the loads: with ``spec.checkpoint``, its daemon's real
+    routed-expert tensors mapped from the daemon's shared file and judged against the checkpoint
+    (``checkpoint_experts.ModelExperts``); else the synthetic stand-in's files in
+    ``spec.expert_dir`` (``shared_experts``)."""
+    if spec.checkpoint is not None:
+        from sglang_integration.testing.checkpoint import read_config
+        from sglang_integration.testing.checkpoint_experts import ModelExperts, num_routed_experts
+
+        experts = ModelExperts(spec.sockets[rank], spec.checkpoint)
+        config = read_config(spec.checkpoint)
+        loads = (int(config["num_hidden_layers"]), num_routed_experts(config))
+        return experts, experts.model(), loads
+    from sglang_integration.testing.shared_experts import (
+        SharedExpertsModel,
+        attach_shared_experts,
+        read_shape,
+    )
+
+    shape = read_shape(spec.expert_dir, rank)
+    synthetic = attach_shared_experts(spec.expert_dir, rank)
+    return synthetic, SharedExpertsModel(synthetic), (shape.num_layers, shape.num_logical_experts)
+
+
 @dataclass
 class _RunnerAttributes:
     """What ``ModelRunner.maybe_init_expert_location_metadata`` and its hook read of the runner
@@ -607,7 +634,8 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
        building a real ``ModelRunner`` allocates accelerator memory;
     4. records that its weights came from the daemon: the IPC loader's ``fetch_state`` maps CUDA IPC
        handles, which a CPU cannot, so the experts are instead the daemon's shared-memory files
-       (``shared_experts``), mapped read-write, where an in-place move by one engine is seen by all;
+       (``routed_weights`` of a model-backed daemon, else ``shared_experts``), mapped read-write,
+       where an in-place move by one engine is seen by all;
        the plugin's ``ModelRunner.load_model`` hook runs around that mapping (each slot must hold
        the expert the map names);
     5. builds sglang's real ``EPLBManager`` with sglang's real ``ExpertLocationUpdater`` (behind

@@ -99,24 +99,82 @@ class ModelDaemonGroup:
                 os.kill(process.pid, signal.SIGKILL)
         process.join(30)
 
-    def stop(self, timeout: float = 60.0) -> list[int | None]:
-        """SIGTERM every daemon (sglang's handler ends serve; the hook ends the incarnation),
-        then wait; SIGKILL what still runs after ``timeout``. Each rank's exit code."""
+    def terminate(self, rank: int) -> None:
+        """SIGTERM rank ``rank``'s daemon (sglang's handler ends serve; the hook ends the
+        incarnation cleanly); the others keep serving."""
         from sglang_integration.testing.daemon_control import request
 
-        for rank, process in enumerate(self.processes):
-            if process.pid is not None and process.is_alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGTERM)
-                # serve sees the flag after accept() returns; a connection makes it return now.
-                with contextlib.suppress(OSError, EOFError, ValueError):
-                    request(self.socket(rank), {"type": "ping"}, timeout=2.0)
+        process = self.processes[rank]
+        if process.pid is not None and process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGTERM)
+            # serve sees the flag after accept() returns; a connection makes it return now.
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                request(self.socket(rank), {"type": "ping"}, timeout=2.0)
+
+    def stop(self, timeout: float = 60.0) -> list[int | None]:
+        """SIGTERM every daemon, then wait; SIGKILL what still runs after ``timeout``. Each
+        rank's exit code."""
+        for rank in range(self.ep_size):
+            self.terminate(rank)
         deadline = time.monotonic() + timeout
         for rank, process in enumerate(self.processes):
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 self.kill(rank)
         return [process.exitcode for process in self.processes]
+
+    def daemon(self, rank: int) -> RankDaemon:
+        """Rank ``rank``'s daemon with the model-less daemon's handle (``DaemonProcess``)."""
+        return RankDaemon(self, rank)
+
+
+@dataclass(frozen=True)
+class RankDaemon:
+    """One daemon of a group, handled as ``daemon_control.DaemonProcess`` handles a model-less
+    one (what the demo's cases and the tests use either way)."""
+
+    group: ModelDaemonGroup
+    rank: int
+
+    @property
+    def socket_path(self) -> str:
+        return self.group.socket(self.rank)
+
+    @property
+    def ledger_path(self) -> str | None:
+        keeps = self.group.spec.record and self.group.spec.plugin
+        return self.group.ledger(self.rank) if keeps else None
+
+    @property
+    def log_path(self) -> str:
+        return self.group.log_path(self.rank)
+
+    @property
+    def pid(self) -> int:
+        return self.group.pid(self.rank)
+
+    def is_alive(self) -> bool:
+        return self.group.is_alive(self.rank)
+
+    def wait(self, timeout: float) -> int | None:
+        process = self.group.processes[self.rank]
+        process.join(timeout)
+        return process.exitcode
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        self.group.terminate(self.rank)
+        code = self.wait(timeout)
+        if self.is_alive():
+            self.kill()
+            return None
+        return code
+
+    def kill(self) -> None:
+        self.group.kill(self.rank)
+
+    def log(self) -> str:
+        return self.group.log(self.rank)
 
 
 def check_checkpoint(model: str, checkpoint: str | os.PathLike[str]) -> None:

@@ -167,6 +167,12 @@ def run_model_daemon(spec: ModelDaemonSpec, rank: int, log_path: str | None = No
         force=True,
     )
     release_forkserver()  # die with the process that started the group (cpu_engine's note)
+    logger.info(
+        "model-backed daemon rank %d of %d starting (plugin %s)",
+        rank,
+        spec.ep_size,
+        "on" if spec.plugin else "off",
+    )
     from sglang.srt.weight_cache import daemon as daemon_module
     from sglang.srt.weight_cache.protocol import cleanup_stale_daemon_files
 

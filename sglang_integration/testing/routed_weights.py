@@ -349,3 +349,16 @@ class RoutedWeights:
 def attach_routed_weights(socket_path: str | os.PathLike[str]) -> RoutedWeights:
     """Map the routed-expert tensors of the daemon serving ``socket_path`` (read-write)."""
     return RoutedWeights(socket_path)
+
+
+class RoutedModel:
+    """The part of a model sglang's EPLB code reads (``routed_experts_weights_of_layer``), over
+    a daemon's mapped routed weights: what an engine rank's model is after the IPC loader mapped
+    the daemon's tensors (``shared_experts.SharedExpertsModel`` cites where EPLB reads it)."""
+
+    def __init__(self, weights: RoutedWeights) -> None:
+        self.weights = weights
+
+    @property
+    def routed_experts_weights_of_layer(self) -> dict[int, list[Any]]:
+        return self.weights.routed_experts_weights_of_layer

@@ -192,6 +192,11 @@ class SharedExperts:
                 return HOLDS_NO_EXPERT
         return logical_id
 
+    @property
+    def slot_count(self) -> int:
+        """This rank's slots of every layer."""
+        return self.shape.num_layers * self.shape.num_local_slots
+
     def count_matching_slots(self, physical_to_logical_map: Sequence[Sequence[int]]) -> int:
         """How many of this rank's slots hold the expert ``physical_to_logical_map`` names there."""
         _check_map_shape(physical_to_logical_map, self.shape)
