@@ -27,6 +27,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from layout_ledger.core.layout import Geometry
+from sglang_integration.daemon.layout_choice import layout_to_load
 from sglang_integration.upstream_lines import UpstreamLine
 
 logger = logging.getLogger(__name__)
@@ -138,12 +140,25 @@ def around_initialize_metadata(
     original_fn: Callable[..., Any], daemon: Any, model_config: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """AROUND ``WeightCacheDaemon._initialize_eplb_expert_location_metadata``: with
-    ``--enable-eplb``, sglang's initial layout with every replica listed
-    (``install_daemon_metadata``) instead of its EP rank's; without it, sglang's method (which
-    installs nothing)."""
+    ``--enable-eplb``, the layout the daemon loads into with every replica listed
+    (``install_daemon_metadata``) instead of its EP rank's: sglang's initial layout, or the one
+    the restore chose with the other daemons of the engine (``layout_choice.layout_to_load``,
+    which every daemon of the group reaches here); without it, sglang's method (which installs
+    nothing)."""
     from sglang.srt.runtime_context import get_exec
 
     if not get_exec().moe.enable_eplb:
         return original_fn(daemon, model_config, *args, **kwargs)
-    install_daemon_metadata(model_config)
+    metadata = install_daemon_metadata(model_config)
+    if metadata is None:
+        return None  # no routed experts: no layout to restore
+    initial_map = metadata.physical_to_logical_map.cpu().tolist()
+    geometry = Geometry(
+        num_layers=int(metadata.num_layers),
+        num_physical_slots=int(metadata.num_physical_experts),
+        num_logical_experts=int(metadata.num_logical_experts),
+    )
+    chosen = layout_to_load(daemon, model_config, initial_map, geometry)
+    if chosen != initial_map:
+        install_daemon_metadata(model_config, chosen)
     return None
