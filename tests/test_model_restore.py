@@ -48,6 +48,22 @@ class Starts:
     judged: int  # slots holding the expert the restored map names, both ranks
     initial: list[dict[str, Any]]  # each rank's layout after a start with `initial`
     logs: list[str]  # the restarted daemons' logs
+    changed: list[dict[str, Any]]  # each rank's layout after a restart on changed weights
+
+
+def _change_one_expert(checkpoint: Path, layer: int, expert: int) -> None:
+    """Expert ``expert`` of ``layer`` gets other weights of the same shape, in the same shard:
+    the config and the index stay as they were (so does the checkpoint's identity)."""
+    from safetensors.torch import load_file, save_file
+
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        if any(name.startswith(prefix) for name in tensors):
+            for name in tensors:
+                if name.startswith(prefix):
+                    tensors[name] = tensors[name].flip(0).contiguous()
+            save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
 def _layouts(group: ModelDaemonGroup) -> list[dict[str, Any]]:
@@ -117,9 +133,17 @@ def starts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Starts]:
     third = _start(checkpoint, run, "--expert-layout-restore", "initial")
     try:
         initial = _layouts(third)
+        _move_by_hand(third)
     finally:
-        third.stop()
-    yield Starts(checkpoint, run, restored, judged, initial, logs)
+        assert third.stop() == [0, 0]
+
+    _change_one_expert(checkpoint, layer=2, expert=3)
+    fourth = _start(checkpoint, run)
+    try:
+        changed = _layouts(fourth)
+    finally:
+        fourth.stop()
+    yield Starts(checkpoint, run, restored, judged, initial, logs, changed)
 
 
 def test_both_daemons_restart_at_the_committed_version_with_its_digest(starts: Starts) -> None:
@@ -151,3 +175,17 @@ def test_verify_is_clean_over_the_restored_incarnation(starts: Starts) -> None:
         with LedgerReader(starts.run / f"rank{rank}.sqlite") as reader:
             report = collect_verify(reader)
         assert report.first_inconsistency is None
+
+
+def test_a_slot_whose_bytes_are_not_what_the_ledger_recorded_makes_the_restored_daemon_dirty(
+    starts: Starts,
+) -> None:
+    # layer 2's expert 3 changed in the checkpoint under the same config and index: its slots
+    # (3 on rank 0, 11 on rank 1, sglang's trivial layout) are named and both daemons are dirty
+    for rank, slot in ((0, 3), (1, 11)):
+        layout = starts.changed[rank]
+        assert (layout["version"], layout["dirty"]) == (1, True)
+        assert layout["restored_from"]["version"] == 1
+        reason = layout["dirty_reason"]
+        assert reason.startswith("the weights loaded into the restored version 1 of incarnation 3")
+        assert f"layer 2: slot {slot} holds unknown content, not expert 3" in reason
