@@ -14,6 +14,7 @@ CPU, so with ``deepep`` this is checked at the metadata, which is what the loade
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,13 +48,17 @@ def _filled_slots(metadata: Any, rank: int) -> list[list[int]]:
 
 
 def _rank(model_dir: str, backend: str, port: int, rank: int, channel: Any) -> None:
-    import torch.distributed as dist
+    import os
+
+    import sglang.srt.platforms as platforms
     from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state import init_distributed_environment
     from sglang.srt.eplb.expert_location import (
         get_global_expert_location_metadata,
         set_global_expert_location_metadata,
     )
     from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.platforms.cpu import CpuSRTPlatform
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
@@ -75,11 +80,30 @@ def _rank(model_dir: str, backend: str, port: int, rank: int, channel: Any) -> N
     publish(args, role="weight_cache_daemon", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
     initialize_moe_config()
     # The daemon's world group (its _init_distributed makes it): with deepep, sglang's default
-    # static dispatch reads the rank from it.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # static dispatch reads the rank from it, and the plugin's restore agrees over it.
+    init_distributed_environment(
+        backend="gloo",
+        world_size=2,
+        rank=rank,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        local_rank=rank,
+    )
     config = ModelConfig(model_path=model_dir, dtype="auto")
-    daemon = WeightCacheDaemon.__new__(WeightCacheDaemon)  # the method reads nothing of self
+    daemon = WeightCacheDaemon.__new__(WeightCacheDaemon)  # sglang's method reads nothing of self
     daemon._initialize_eplb_expert_location_metadata(config)
+    # What the plugin's hook reads of the daemon (WeightCacheDaemon.__init__ sets it): where its
+    # ledger is (its GPU's device UUID: sglang's CPU platform's, one ledger directory per rank)
+    # and its checkpoint. The ledgers are new: nothing to restore, sglang's initial layout.
+    platforms._current_platform = CpuSRTPlatform()
+    ledgers = Path(model_dir).parent / f"ledgers-{backend}-{rank}"
+    ledgers.mkdir()
+    os.environ["SGLANG_EXPERT_LAYOUT_LEDGER_TEMPLATE"] = f"{ledgers}/{{device_uuid}}.sqlite"
+    daemon.gpu_id, daemon.model_path, daemon.quantization, daemon.revision = (
+        0,
+        model_dir,
+        None,
+        None,
+    )
     sglangs = _filled_slots(get_global_expert_location_metadata(), rank)
     set_global_expert_location_metadata(None, allow_overwrite=True)
     register_daemon_hooks()
