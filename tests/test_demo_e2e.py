@@ -1,4 +1,4 @@
-"""A reduced run of the CPU end-to-end demo (``scripts/demo.py``): the same five cases and the
+"""A reduced run of the CPU end-to-end demo (``scripts/demo.py``): the same six cases and the
 forensics, with fewer rebalances, through the same code (``scripts/demo_cases``): real
 model-less daemons with ledgers, engines of 2 gloo rank processes running sglang's real startup
 method, ``EPLBManager`` and ``ExpertLocationUpdater`` through the plugin's real hooks,
@@ -161,3 +161,19 @@ def test_a_standbys_warmup_pauses_moves_only_until_its_lease_idles_out_and_it_re
     case = _case(demo[0], "Case 5 (b)")
     _assert_every_check_holds(case)
     assert len(case.checks) == 6
+
+
+@pytest.mark.timeout(240)
+def test_a_restarted_daemon_keeps_the_balance_and_each_fallback_says_why(
+    demo: tuple[DemoRun, Workspace],
+) -> None:
+    case = _case(demo[0], "Case 6: ")
+    _assert_every_check_holds(case)
+    facts = case.facts
+    versions = CONFIG.case6_rebalances * CHUNKS
+    assert facts["b_versions"] == [versions] * CONFIG.ep_size
+    assert [reason.split(":")[0] for reason in facts["fallbacks"]] == [
+        "a ledger cannot be read or its rows do not verify",
+        "--expert-layout-restore initial on rank 0",
+        "nothing to restore",
+    ]

@@ -29,6 +29,10 @@ whole ``run``:
   keeps moving, C takes over after A's SIGKILL with its first forward pass; (b) a warmup batch
   holds A's begins only until C's lease idles out; (c) C's first forward repairs daemons A left
   mid-move (``case5``).
+- Case 6: a restart keeps the balance: A rebalances, every daemon stops and starts again and
+  restores A's last version (B starts on it, balanced, every slot right); with the plugin
+  disabled the restarted daemons load the initial layout; then the restore's fallbacks (rows
+  edited, ``--expert-layout-restore initial``, another geometry) each say why (``case6``).
 
 Every function returns data (``CaseResult``: checks with expected and measured values, notes,
 seconds); ``scripts/demo.py`` renders it. A check whose expectation fails is a failed check,

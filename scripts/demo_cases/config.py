@@ -30,6 +30,7 @@ class DemoConfig:
     case1_rebalances: int = 10
     case2_rebalances: tuple[int, int, int] = (3, 3, 3)  # alone, with the standby, after it
     case3_rebalances_before_kill: int = 2
+    case6_rebalances: int = 2
     load_seed: int = 11
 
     @property

@@ -1,5 +1,6 @@
 """The whole demo: cases 1-3, the forensics of case 3 (b)'s dirty ledger, then case 4 on the
-same daemons, then case 5 (a warm standby beside a rebalancing engine) on its own."""
+same daemons, then case 5 (a warm standby beside a rebalancing engine) and case 6 (a restart
+keeps the balance) on their own."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from demo_cases.case2 import run_case2
 from demo_cases.case3 import run_case3
 from demo_cases.case4 import run_case4
 from demo_cases.case5 import run_case5
+from demo_cases.case6 import run_case6
 from demo_cases.config import DemoConfig
 from demo_cases.forensics import CommandOutput, run_forensics
 from demo_cases.results import CaseResult, Check
@@ -63,4 +65,5 @@ def run_demo(
     standby, standby_more = run_case5(workspace)
     done(standby)
     done(standby_more)
+    done(run_case6(workspace))
     return run

@@ -113,12 +113,17 @@ class Workspace:
         experts: Path | None = None,
         count: int | None = None,
         synthetic: bool = False,
+        *,
+        flags: Sequence[str] = (),
+        num_redundant_experts: int | None = None,
     ) -> list[Any]:
         """One daemon per EP rank, serving when this returns. Model-backed (unless
         ``synthetic``): a group loading the checkpoint, in ``experts`` (``experts()``'s run
         directory); ``record`` is ledger, none (no ``--enable-eplb``) or no-plugin. Else
         model-less daemons (``count`` of them: ranks 0..count-1); with ``experts``, each serves
-        (and fingerprints) its rank's expert files there (``--experts``).
+        (and fingerprints) its rank's expert files there (``--experts``). ``flags``: more daemon
+        flags (``--expert-layout-restore initial``); ``num_redundant_experts``: another geometry
+        than the config's.
 
         As ``daemon_control.start_daemon`` starts them, except that each releases its copy of
         the forkserver's keep-alive pipe first (``release_forkserver``), so that no daemon
@@ -131,8 +136,15 @@ class Workspace:
         )
 
         if self.model_backed and not synthetic:
-            return self._model_daemons(case, record, experts)
+            return self._model_daemons(
+                case, record, experts, flags=flags, num_redundant_experts=num_redundant_experts
+            )
         config = self.config
+        redundant = (
+            config.num_redundant_experts
+            if num_redundant_experts is None
+            else (num_redundant_experts)
+        )
         directory = self.case_dir(case)
         started = []
         for rank in range(config.ep_size if count is None else count):
@@ -144,7 +156,7 @@ class Workspace:
                 ledger,
                 num_layers=config.num_layers,
                 num_logical_experts=config.num_logical_experts,
-                num_physical_experts=config.num_physical_slots,
+                num_physical_experts=config.num_logical_experts + redundant,
                 record=record,
                 # Which rank each daemon stands in for, recorded in its ledger (fleet's rows).
                 extra=(["--tp-rank", str(rank), "--ep-rank", str(rank)] if ledger else [])
@@ -152,7 +164,8 @@ class Workspace:
                     []
                     if experts is None
                     else ["--experts", str(experts), "--expert-rank", str(rank)]
-                ),
+                )
+                + list(flags),
             )
             daemon = DaemonProcess(socket_path, ledger, str(directory / f"{name}.log"), argv)
             daemon.process = self.context.Process(
@@ -164,18 +177,29 @@ class Workspace:
             started.append(daemon)
         return started
 
-    def _model_daemons(self, case: str, record: str, run_dir: Path | None) -> list[Any]:
+    def _model_daemons(
+        self,
+        case: str,
+        record: str,
+        run_dir: Path | None,
+        *,
+        flags: Sequence[str] = (),
+        num_redundant_experts: int | None = None,
+    ) -> list[Any]:
         from sglang_integration.testing.daemons import start_model_daemons
 
-        flags = {"ledger": [], "none": ["--no-record"], "no-plugin": ["--without-plugin"]}
-        if self.checkpoint is None or record not in flags:
+        modes = {"ledger": [], "none": ["--no-record"], "no-plugin": ["--without-plugin"]}
+        if self.checkpoint is None or record not in modes:
             raise ValueError(f"no model-backed daemons with record {record!r}")
+        redundant = self.config.num_redundant_experts
         group = start_model_daemons(
             run_dir or self.experts(case),
             self.checkpoint,
             ep_size=self.config.ep_size,
-            num_redundant_experts=self.config.num_redundant_experts,
-            daemon_args=flags[record],
+            num_redundant_experts=redundant
+            if num_redundant_experts is None
+            else (num_redundant_experts),
+            daemon_args=[*modes[record], *flags],
         )
         self._groups.append(group)
         return [group.daemon(rank) for rank in range(group.ep_size)]
