@@ -226,13 +226,34 @@ def start_with_flags(
     timeout: float = START_TIMEOUT,
 ) -> ModelDaemonGroup:
     """``start_model_daemons`` with the daemon flags parsed (``model_daemon.add_daemon_flags``)."""
+    spec = spec_with_flags(
+        run_dir,
+        checkpoint,
+        flags,
+        ep_size=ep_size,
+        num_redundant_experts=num_redundant_experts,
+        model=model,
+    )
+    return launch(spec, timeout)
+
+
+def spec_with_flags(
+    run_dir: str | os.PathLike[str],
+    checkpoint: str | os.PathLike[str],
+    flags: argparse.Namespace,
+    *,
+    ep_size: int,
+    num_redundant_experts: int,
+    model: str | None,
+) -> ModelDaemonSpec:
+    """The spec of a group with these daemon flags (the run directory made, a free port)."""
     from sglang_integration.testing.cpu_engine import free_port
 
     if model is not None:
         check_checkpoint(model, checkpoint)
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    spec = ModelDaemonSpec(
+    return ModelDaemonSpec(
         run_dir=str(run.resolve()),
         checkpoint=str(Path(checkpoint).resolve()),
         ep_size=ep_size,
@@ -244,11 +265,15 @@ def start_with_flags(
         log_level=flags.log_level,
         env=tuple(sorted(daemon_environment(flags).items())),
     )
-    return launch(spec, timeout)
 
 
-def launch(spec: ModelDaemonSpec, timeout: float = START_TIMEOUT) -> ModelDaemonGroup:
-    """Start ``spec``'s daemons (forkserver children) and wait until every one serves."""
+def launch(
+    spec: ModelDaemonSpec, timeout: float = START_TIMEOUT, target: Any = None
+) -> ModelDaemonGroup:
+    """Start ``spec``'s daemons (forkserver children) and wait until every one serves.
+
+    ``target``: each rank's process target, called as ``run_model_daemon`` is (the default;
+    a benchmark wraps it to count what the load reads)."""
     from sglang_integration.testing.daemon_control import process_context, wait_until_serving
     from sglang_integration.testing.model_daemon import run_model_daemon
 
@@ -256,7 +281,7 @@ def launch(spec: ModelDaemonSpec, timeout: float = START_TIMEOUT) -> ModelDaemon
     group = ModelDaemonGroup(spec, [])
     for rank in range(spec.ep_size):
         process = context.Process(
-            target=run_model_daemon,
+            target=run_model_daemon if target is None else target,
             args=(spec, rank, spec.path(rank, ".log")),
             name=f"model-daemon-rank{rank}",
             daemon=True,
