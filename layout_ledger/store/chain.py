@@ -78,8 +78,9 @@ _CHAIN_ROWS = (
     f"SELECT e.event_id, {', '.join('e.' + name for name in FIELDS)}, e.chain, "
     "v.fingerprints_digest FROM events e LEFT JOIN versions v "
     "ON v.incarnation_id = e.incarnation_id AND v.version = e.new_version "
-    f"AND e.kind IN ({_VERSIONED}) ORDER BY e.event_id"
+    f"AND e.kind IN ({_VERSIONED}) WHERE e.event_id >= ? ORDER BY e.event_id"
 )
+_STORED_BEFORE = "SELECT chain FROM events WHERE event_id < ? ORDER BY event_id DESC LIMIT 1"
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,18 @@ class ChainWalk:
     broken_at: int | None
 
 
-def walk(conn: Connection) -> ChainWalk:
+def walk(conn: Connection, first_event: int = 0) -> ChainWalk:
     """Recompute every event's chain value from the one before it and its own fields (with its
     version's fingerprints digest for a start, commit or repair); stop at the first break.
-    ``verify`` reports it, and a daemon restores no version of a ledger whose chain breaks."""
+    ``verify`` walks the whole chain; a restore the events from its incarnation's first
+    (``first_event``) on, from the value stored before it: what the restored version rests on,
+    in time that grows with that incarnation's events, not with the ledger's history."""
     previous = GENESIS
+    if first_event:
+        stored_before = conn.exec_driver_sql(_STORED_BEFORE, (first_event,)).scalar()
+        previous = GENESIS if stored_before is None else str(stored_before)
     count = 0
-    for event_id, *fields, stored, digest in conn.exec_driver_sql(_CHAIN_ROWS):
+    for event_id, *fields, stored, digest in conn.exec_driver_sql(_CHAIN_ROWS, (first_event,)):
         expected = link(previous, fields, digest)
         if stored != expected:
             return ChainWalk(count, previous, int(event_id))

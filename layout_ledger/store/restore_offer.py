@@ -5,7 +5,9 @@ load, the newest committed version of its ledger's earlier incarnations: the new
 the latest incarnation. ``newest_offer`` offers it only when that incarnation was recorded for
 the same geometry and checkpoint (``checkpoint_digest``), and its rows verify:
 
-- the events' hash chain, recomputed over the whole ledger (``chain.walk``), does not break;
+- the events' hash chain, recomputed over that incarnation's events (``chain.walk`` from its
+  first event, on the value stored before it: ``verify`` walks the whole chain), does not
+  break;
 - the event that wrote the version (its start, commit or repair) names the digest its
   ``versions`` row records;
 - the map rebuilt from the rows at that version gives that digest.
@@ -88,7 +90,10 @@ def _verified_offer(conn: Connection, inc: Incarnation) -> RestoreOffer:
     i = inc.incarnation_id
     try:
         version, digest = current_version(conn, i)
-        walked = chain.walk(conn)
+        first_event = conn.execute(
+            text("SELECT min(event_id) FROM events WHERE incarnation_id = :i"), {"i": i}
+        ).scalar()
+        walked = chain.walk(conn, int(first_event or 0))
         if walked.broken_at is not None:
             raise LedgerInconsistent(
                 f"the events' chain breaks at event #{walked.broken_at} (a row was edited, "
