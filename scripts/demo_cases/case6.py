@@ -35,9 +35,9 @@ def run_case6(workspace: Workspace) -> CaseResult:
     a_map, versions = _engine_a_rebalances(workspace, result, daemons, expert_dir)
     _stop(daemons)
     daemons = workspace.daemons("case6", experts=expert_dir)  # on the same ledgers
-    _restored(workspace, result, daemons, expert_dir, a_map=a_map, versions=versions)
+    _restored(workspace, result, daemons, expert_dir, (a_map, versions))
     b_versions = _engine_b_starts_balanced(
-        workspace, result, daemons, expert_dir, a_map=a_map, versions=versions
+        workspace, result, daemons, expert_dir, (a_map, versions)
     )
     _stop(daemons)
     _without_plugin(workspace, result)
@@ -82,11 +82,10 @@ def _restored(
     result: CaseResult,
     daemons: list[Any],
     expert_dir: Path,
-    *,
-    a_map: Map,
-    versions: int,
+    balance: tuple[Map, int],
 ) -> None:
     config = workspace.config
+    a_map, versions = balance
     layouts = [reply.layout for reply in query_daemons(daemons)]
     result.check(
         "all daemons stopped and started again: version",
@@ -137,11 +136,10 @@ def _engine_b_starts_balanced(
     result: CaseResult,
     daemons: list[Any],
     expert_dir: Path,
-    *,
-    a_map: Map,
-    versions: int,
+    balance: tuple[Map, int],
 ) -> list[int]:
     config = workspace.config
+    a_map, versions = balance
     engine_b = workspace.launch("case6", "B", daemons, expert_dir)
     b_reports = engine_b.started
     b_versions = [int(r["session"]["version"]) for r in b_reports]
