@@ -8,7 +8,7 @@ and a SQLite ledger), whose routed-expert parameters every engine maps from shar
 engines of 2 ranks on torch.distributed gloo running sglang's real
 ``ModelRunner.maybe_init_expert_location_metadata``, ``EPLBManager``, ``init_by_eplb`` and
 ``ExpertLocationUpdater`` through the plugin's real hooks. Then ``layout-ledger`` and the
-README's ``sqlite3`` query on the dirty daemon's ledger.
+runbook's ``sqlite3`` query on the dirty daemon's ledger.
 
     .venv/bin/python scripts/demo.py [--model qwen3_moe|deepseek_v3|both] [--rebalances N] [--keep]
 
@@ -111,7 +111,9 @@ def render_forensics(case: Any) -> str:
     query = case.facts.get("query")
     if query is not None:
         sql, columns, rows = query
-        lines.append("$ sqlite3 'file:<same ledger>?mode=ro'   # README, Forensic cookbook")
+        lines.append(
+            "$ sqlite3 'file:<same ledger>?mode=ro'   # docs/operations.md, Forensic cookbook"
+        )
         lines.extend(f"  {line}" for line in sql.splitlines())
         table = [columns, *[[str(value) for value in row] for row in rows]]
         widths = [max(len(str(row[i])) for row in table) for i in range(len(columns))]
@@ -285,7 +287,7 @@ def _run_model(workspace: Any) -> Any:
         print("starting the forkserver (it imports sglang once for every process)...", flush=True)
     seconds = workspace.start_processes()
     print(f"forkserver ready in {seconds:.1f} s\n", flush=True)
-    return demo_cases.run_demo(workspace, ROOT / "README.md", on_case=show)
+    return demo_cases.run_demo(workspace, ROOT / "docs" / "operations.md", on_case=show)
 
 
 def _forkserver_started() -> bool:

@@ -150,7 +150,7 @@ def ledgers() -> list[dict]:
     states = []
     for path in sorted(WORK.glob("ledger_*.sqlite")):
         out = subprocess.run([LEDGER_CLI, "status", "--json", str(path)], capture_output=True, text=True)
-        states.append(json.loads(out.stdout))
+        states.append(json.loads(out.stdout)["ledgers"][0])
     return states
 
 

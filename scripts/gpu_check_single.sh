@@ -2,7 +2,7 @@
 # The one-GPU check: what the project can run on the one-H200 machine it can sometimes use.
 #
 # NOT YET RUN ON A GPU: written and tested on a CPU-only machine (its --device cpu path runs in
-# the test suite, tests/test_gpu_check_single.py). README "GPU check (one GPU)" has the results
+# the test suite, tests/test_gpu_check_single.py). docs/development.md "GPU check (one GPU)" has the results
 # once it has run.
 #
 #   scripts/gpu_check_single.sh [--device cuda|cpu] [--daemon auto|sglang|ledger-service]

@@ -15,7 +15,7 @@
 # minus what the GPU image already has (torch 2.11, transformers 5.17, numpy, aiohttp, requests,
 # psutil, ... per /work/.library/device/KINDS.md): measured by importing that chain under Python
 # 3.12 with torch 2.11, transformers 5.17 and huggingface_hub 1.33 on a CPU (2026-12, see
-# README "GPU check (one GPU)"). Rerun this after every commit you mean to check on the GPU: the
+# docs/development.md "GPU check (one GPU)"). Rerun this after every commit you mean to check on the GPU: the
 # REVISION it writes is what the check prints when the machine has no .git.
 #
 # Use on the GPU machine (no network): carry .gpu_wheels, then

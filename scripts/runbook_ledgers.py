@@ -24,7 +24,10 @@ The incidents (the directory: the section of docs/operations.md):
 - ``paused``: "Rebalancing paused": engine-standby attached beside engine-stuck, two busy begins;
 - ``died``: "A daemon died, or restarted": rank 1's daemon killed at version 20; ``restarted``:
   the same, then started again (a second incarnation);
-- ``backup``: "Backups": rank 0 at version 20, running.
+- ``backup``: "Backups": rank 0 at version 20, running;
+- ``healthy``: the README's first look: both ranks at version 20, clean, engine-a attached, at the
+  default location's names (``healthy/sglang/expert_layouts/expert_layout_GPU-R.sqlite``: the
+  README's /var/lib/sglang/expert_layouts/ once ``healthy`` is read as /var/lib).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from layout_ledger.store.origin import IncarnationOrigin
 BIN = Path(sys.executable).parent
 GEOMETRY = Geometry(num_layers=8, num_physical_slots=12, num_logical_experts=8)
 DEFAULT_DIR = Path("/tmp/layout-ledger-runbook")
-INCIDENTS = ("dirty", "disagree", "pending", "paused", "died", "restarted", "backup")
+INCIDENTS = ("dirty", "disagree", "pending", "paused", "died", "restarted", "backup", "healthy")
 
 
 def _row(step: int, layer: int) -> list[int]:
@@ -166,6 +169,10 @@ def _backup(path: Path, rank: int) -> None:
         _at_version_20(path, rank)
 
 
+def _healthy(path: Path, rank: int) -> None:
+    _at_version_20(path, rank)
+
+
 BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "dirty": _dirty,
     "disagree": _disagree,
@@ -174,6 +181,7 @@ BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "died": _died,
     "restarted": _restarted,
     "backup": _backup,
+    "healthy": _healthy,
 }
 # Which ranks' daemons run once an incident is built ("died": rank 1 was killed).
 RUNNING: dict[str, tuple[int, ...]] = {
@@ -184,6 +192,7 @@ RUNNING: dict[str, tuple[int, ...]] = {
     "died": (0,),
     "restarted": (0, 1),
     "backup": (0,),
+    "healthy": (0, 1),
 }
 
 
@@ -204,12 +213,19 @@ def _daemon(incident: str, path: Path, rank: int, ready: Connection, stop: Any) 
     os._exit(0)  # its incarnation stays running to the end, as a live daemon's does
 
 
+# The healthy incident's ledgers, named as the default location names them (under /var/lib).
+HEALTHY_STATE_HOME = "healthy"
+HEALTHY_LEDGERS = Path(HEALTHY_STATE_HOME, "sglang", "expert_layouts")
+
+
 @dataclass
 class Runbook:
     root: Path
     processes: list[Any] = field(default_factory=list)
 
     def ledger(self, incident: str, rank: int) -> Path:
+        if incident == "healthy":
+            return self.root / HEALTHY_LEDGERS / f"expert_layout_GPU-{rank}.sqlite"
         return self.root / incident / f"daemon{rank}.sqlite"
 
 
@@ -223,6 +239,8 @@ def runbook_ledgers(root: Path) -> Iterator[Runbook]:
     try:
         for incident in INCIDENTS:
             (root / incident).mkdir(parents=True)
+            if incident == "healthy":
+                (root / HEALTHY_LEDGERS).mkdir(parents=True)
             for rank in (0, 1):
                 if incident == "backup" and rank == 1:
                     continue
@@ -277,18 +295,24 @@ def run_command(command: str, root: Path, incident: str) -> tuple[int, list[str]
     here = command.replace(str(DEFAULT_DIR), str(root)).replace(
         " /backups/", f" {root}/cp-backups/"
     )
-    environment = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # stdout and stderr in the order a terminal shows them: one pipe, nothing buffered.
+    environment = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+    }
     done = subprocess.run(
         here,
         shell=True,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         cwd=root / incident,
         env=environment,
         timeout=120,
         check=False,
     )
-    printed = done.stdout + done.stderr
+    printed = done.stdout
     printed = printed.replace(f"{root}/cp-backups/", "/backups/").replace(
         str(root), str(DEFAULT_DIR)
     )

@@ -2,8 +2,8 @@
 
 Each row (``Setting``) names its environment variable, the daemon launcher's flag (none for
 what only an engine reads), its default, its parser and the error a bad value gets. The rows are
-the README's settings table ("Using it with SGLang"); tests/test_settings_docs.py keeps the two
-equal. The defaults and their reasons come first, in one block.
+the settings tables of docs/settings.md and docs/daemon.md; tests/test_settings_docs.py keeps
+them equal. The defaults and their reasons come first, in one block.
 
 The settings travel in the environment on purpose: an engine in ``--weight-cache-mode daemon``
 and sglang's standalone launcher start each daemon with ``multiprocessing`` spawn, and a spawned
@@ -21,6 +21,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+from layout_ledger.store import locations
 
 
 class ContentCheck(enum.Enum):
@@ -48,17 +50,19 @@ CHOICES = tuple(mode.value for mode in ContentCheck)
 
 # --- Defaults, and why -----------------------------------------------------------------------
 
-# The ledger lies beside the daemon's socket, in the directory of sglang's
-# SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE (default /tmp/sglang_weight_cache_{device_uuid}.sock), so
-# moving the sockets moves the ledgers. One file per daemon, i.e. per GPU, keyed by the device
-# UUID as the socket is. The subdirectory is private (0700, created when missing, refused when
-# someone else's or loosened): sglang's default socket directory, /tmp, is world-writable.
-DEFAULT_LEDGER_BESIDE_SOCKET = "sglang_expert_layouts/sglang_expert_layout_{device_uuid}.sqlite"
-PLACEHOLDER = "{device_uuid}"
+# The ledgers live where daemons keep state that survives a reboot (a restore reads them at the
+# next start): /var/lib/sglang/expert_layouts/ for a root daemon, else
+# $XDG_STATE_HOME/sglang/expert_layouts/ (~/.local/state when unset), one file per daemon, i.e.
+# per GPU, keyed by the device UUID as sglang's socket is; never /tmp (tmp cleaners, PrivateTmp=,
+# a reboot). That directory is private (0700, created when missing, refused when someone else's
+# or loosened). The rule is layout_ledger.store.locations' (the CLI, which cannot import this
+# plugin, reads the same default when given no PATH); this is its row.
+DEFAULT_LEDGER_TEMPLATE = locations.default_ledger_template()  # this process's user's
+PLACEHOLDER = locations.PLACEHOLDER
 
 # Rows of the last 1000 versions per incarnation: at one all-layer rebalance a minute, about 17
 # hours of full history (the current map and every event are kept whatever the setting; the
-# README's benchmarks give the file's size over a week).
+# docs/benchmarks.md gives the file's size over a week).
 DEFAULT_KEEP_VERSIONS = 1000
 
 # Retention runs every 100 commits, off the request path: the rows it checks and drops per run
@@ -110,11 +114,13 @@ class Setting(Generic[T]):
     help: str  # what it sets, as the launcher's --help says it
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
+    # The default as the docs write it, when it depends on who runs the process.
+    documented_default: str | None = None
 
     @property
     def default_text(self) -> str:
-        """The default as the README's table and --help write it."""
-        return _text(self.default)
+        """The default as the docs' tables and --help write it."""
+        return self.documented_default or _text(self.default)
 
     def configured(self) -> T | None:
         """The environment's value, or None when the variable is unset or blank."""
@@ -216,13 +222,14 @@ def content_check_mode(raw: str, name: str) -> ContentCheck:
 
 
 LEDGER_TEMPLATE: Setting[str] = Setting(
-    env="SGLANG_EXPERT_LAYOUT_LEDGER_TEMPLATE",
+    env=locations.TEMPLATE_ENV,
     flag="--expert-layout-ledger",
-    default=DEFAULT_LEDGER_BESIDE_SOCKET,  # in the socket template's directory
+    default=DEFAULT_LEDGER_TEMPLATE,
     parse=check_ledger_template,
-    help="path template of the expert layout ledger, with {device_uuid}; the default lies in "
-    "the daemon socket's directory, and its subdirectory is private",
+    help="path template of the expert layout ledgers, with {device_uuid} (one ledger per GPU); "
+    "the default's directory is private (0700) and survives a reboot",
     metavar="TEMPLATE",
+    documented_default=locations.DEFAULT_TEXT,
 )
 KEEP_VERSIONS: Setting[int] = Setting(
     env="SGLANG_EXPERT_LAYOUT_KEEP_VERSIONS",
@@ -283,7 +290,7 @@ STANDBY_IDLE: Setting[float] = Setting(
     help="seconds without a forward pass after which a standby releases its lease",
 )
 
-# Every row, in the README table's order.
+# Every row, in the docs tables' order.
 SETTINGS: tuple[Setting[Any], ...] = (
     LEDGER_TEMPLATE,
     KEEP_VERSIONS,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -100,8 +101,17 @@ def _assert_refused_as_owned(capsys, path: Path, *argv: str) -> None:
     before = dump(path)
     code, out, err = run_cli(capsys, *argv)
     assert (code, out) == (exit_codes.FAILED, "")
-    assert err.startswith(f"layout-ledger {argv[0]}: error: ledger {path} is owned by ")
-    assert "stop that daemon" in err and err.count("\n") == 1
+    verb = argv[0]
+    # Said to the person at the CLI: what they can do, not the advice a second daemon gets.
+    assert err.startswith(
+        f"layout-ledger {verb}: error: {verb} refused: the ledger {path} is in use by its running "
+        f"daemon (its writer lock: pid={os.getpid()} since="
+    )
+    assert f"and {verb} writes the file only while no daemon does; " in err
+    assert ("stop that daemon (`layout-ledger status LEDGER` shows its pid)" in err) == (
+        verb == "prune"
+    )
+    assert "give this one its own ledger path" not in err and err.count("\n") == 1
     assert dump(path) == before
 
 
@@ -121,7 +131,10 @@ def test_the_writing_commands_never_create_a_ledger(tmp_path, capsys, verb):
     argv = [verb, str(path)] + (["--keep", "1"] if verb == "prune" else [])
     code, _, err = run_cli(capsys, *argv)
     assert code == exit_codes.UNUSABLE
-    assert err == f"layout-ledger {verb}: error: ledger {path} does not exist\n"
+    assert err == (
+        f"layout-ledger {verb}: error: ledger {path} does not exist; check the path: "
+        "`layout-ledger fleet` given no PATH lists the daemons' ledgers here\n"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

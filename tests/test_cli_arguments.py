@@ -192,6 +192,8 @@ def test_history_nl_prints_one_json_event_per_line(clean, capsys):
     assert code == exit_codes.OK
     assert [json.loads(line) for line in out.splitlines()] == json.loads(whole)["events"]
     assert list(json.loads(out.splitlines()[0])) == [
+        "ledger",
+        "rank",
         "event_id",
         "incarnation_id",
         "at",
@@ -225,7 +227,7 @@ def test_history_csv_prints_a_header_and_one_row_per_event(clean, capsys):
 def test_history_with_no_match_prints_only_the_csv_header_and_no_nl_line(clean, capsys):
     _, out, _ = run_cli(capsys, "history", str(clean), "--engine", "nobody", "--csv")
     assert out == (
-        "event_id,incarnation_id,at,kind,engine_id,layers,base_version,new_version,"
+        "ledger,rank,event_id,incarnation_id,at,kind,engine_id,layers,base_version,new_version,"
         "digest_after,reason,count,last_at,chain\r\n"
     )
     _, out, _ = run_cli(capsys, "history", str(clean), "--engine", "nobody", "--nl")

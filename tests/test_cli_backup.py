@@ -40,7 +40,7 @@ def test_cp_of_a_live_ledger_loses_its_wal_and_backup_keeps_it(tmp_path, capsys)
         assert stat.S_IMODE((backups / "l.sqlite").stat().st_mode) == 0o600
         assert run_cli(capsys, "verify", str(backups / "l.sqlite"))[0] == exit_codes.OK
         _, out, _ = run_cli(capsys, "status", str(backups / "l.sqlite"), "--json")
-        assert json.loads(out)["version"] == 1
+        assert json.loads(out)["ledgers"][0]["version"] == 1
     finally:
         engine.kill()
         daemon.kill()
@@ -60,10 +60,11 @@ def test_backups_taken_while_a_writer_commits_each_verify(tmp_path, capsys):
             copy = tmp_path / f"copy-{n}.sqlite"
             code, out, err = run_cli(capsys, "backup", str(path), str(copy), "--json")
             assert (code, err) == (exit_codes.OK, ""), err
-            assert json.loads(out)["output"] == str(copy)
+            assert json.loads(out)["backups"][0]["output"] == str(copy)
             code, _, err = run_cli(capsys, "verify", str(copy))
             assert code == exit_codes.OK, err
-            versions.add(json.loads(run_cli(capsys, "status", str(copy), "--json")[1])["version"])
+            (status,) = json.loads(run_cli(capsys, "status", str(copy), "--json")[1])["ledgers"]
+            versions.add(status["version"])
     finally:
         stop.set()
         writer.join(60)
@@ -74,7 +75,10 @@ def test_backup_json_names_what_the_copy_holds(tmp_path, capsys):
     path = build("clean", tmp_path / "l.sqlite")
     code, out, _ = run_cli(capsys, "backup", str(path), str(tmp_path / "b.sqlite"), "--json")
     assert code == exit_codes.OK
-    result = json.loads(out)
+    # One shape whatever names the ledger: the copy of one is a list of one.
+    assert json.loads(out)["directory"] == str(tmp_path)
+    assert json.loads(out)["failures"] == []
+    (result,) = json.loads(out)["backups"]
     chain = [
         line for line in run_cli(capsys, "verify", str(path))[1].splitlines() if "head" in line
     ]

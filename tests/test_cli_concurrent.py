@@ -29,7 +29,7 @@ def test_status_show_verify_and_history_read_consistent_snapshots_while_a_writer
         deadline = time.monotonic() + 90
         while (len(seen) < 8 or commits.value < 40) and time.monotonic() < deadline:
             code, out, err = run_cli(capsys, "status", str(path), "--json")
-            status = json.loads(out)
+            (status,) = json.loads(out)["ledgers"]
             assert err == ""
             if status["pending"] is None:
                 assert code == exit_codes.OK
@@ -51,7 +51,7 @@ def test_status_show_verify_and_history_read_consistent_snapshots_while_a_writer
     assert len(seen) >= 8, f"the readers saw only versions {sorted(seen)}"
     # The writer closed cleanly: everything it committed is there, consistent.
     code, out, _ = run_cli(capsys, "status", str(path), "--json")
-    status = json.loads(out)
+    (status,) = json.loads(out)["ledgers"]
     assert (code, status["version"], status["end_state"]) == (
         exit_codes.NOT_RUNNING,  # stopped cleanly: not running
         commits.value,

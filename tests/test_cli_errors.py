@@ -148,7 +148,6 @@ def test_a_damaged_ledger_gives_one_line_pointing_to_verify(
 BAD_ARGUMENTS = [
     ([], "the following arguments are required: COMMAND"),
     (["frobnicate", "x"], "argument COMMAND: invalid choice: 'frobnicate'"),
-    (["status"], "the following arguments are required: LEDGER"),
     (["prune", "L"], "the following arguments are required: --keep"),
     (["prune", "L", "--keep", "0"], "argument --keep: expected a number >= 1, got 0"),
     (["show", "L", "--version", "-1"], "argument --version: expected a number >= 0, got -1"),
@@ -157,15 +156,16 @@ BAD_ARGUMENTS = [
     (["show", "L", "--ep-size", "two"], "argument --ep-size: expected a whole number"),
     (["history", "L", "--kind", "explode"], "argument --kind: invalid choice: 'explode'"),
     (
-        ["history", "L", "--since", "yesterday"],
-        "argument --since: expected a time like 2026-11-29T13:00:00Z, 1h",
+        ["history", "L", "--since", "last tuesday"],
+        "argument --since: expected a time like 2026-11-29T13:00:00Z, 13:00, today",
     ),
     (["diff", "L", "1"], "the following arguments are required: V2"),
     (["export", "L"], "the following arguments are required: -o/--output"),
     (["export", "L", "-o", "x.json", "--check"], "export --check needs --model-path DIR"),
     (["plot", "L", "-o", "x.png", "--size", "big"], "argument --size: expected WIDTHxHEIGHT"),
     (["status", "L", "--bogus"], "unrecognized arguments: --bogus"),
-    (["fleet"], "the following arguments are required: PATH"),
+    (["diff", "L", "1", "2", "3"], "expected [LEDGER] V1 V2"),
+    (["diff", "L", "x", "2"], "argument V1: expected a whole number, got 'x'"),
     (["metrics", "L", "--serve", "9400"], "argument --serve: expected HOST:PORT"),
     (["metrics", "L", "--serve", "h:99999"], "argument --serve: expected a port 0..65535"),
     (["metrics", "L", "--label", "engine"], "argument --label: expected KEY=VALUE"),
@@ -173,7 +173,7 @@ BAD_ARGUMENTS = [
         ["metrics", "L", "--serve", ":0", "--json"],
         "metrics --serve prints no -o file and no --json",
     ),
-    (["backup", "L"], "the following arguments are required: DEST"),
+    (["backup"], "the following arguments are required: DEST"),
 ]
 
 
@@ -226,7 +226,8 @@ def test_the_console_script_reports_a_missing_ledger_in_one_line(tmp_path):
     assert result.returncode == exit_codes.UNUSABLE
     assert result.stdout == ""
     assert result.stderr == (
-        f"layout-ledger verify: error: ledger {tmp_path / 'gone.sqlite'} does not exist\n"
+        f"layout-ledger verify: error: ledger {tmp_path / 'gone.sqlite'} does not exist; check "
+        "the path: `layout-ledger fleet` given no PATH lists the daemons' ledgers here\n"
     )
 
 

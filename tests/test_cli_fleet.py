@@ -235,12 +235,17 @@ def test_a_path_that_names_no_ledger_is_unusable(tmp_path, capsys):
     assert (code, out) == (exit_codes.UNUSABLE, "")
     assert err == (
         f"layout-ledger fleet: error: {tmp_path / 'empty'} is not a regular file, and the "
-        "directory holds no ledger (no SQLite file in it)\n"
+        "directory holds no ledger (no SQLite file in it); name a ledger file or the directory "
+        "the daemons write their ledgers into\n"
     )
     template = tmp_path / "ledger_{device_uuid}.sqlite"
     code, _, err = run_cli(capsys, "fleet", str(template))
     assert code == exit_codes.UNUSABLE
-    assert err == f"layout-ledger fleet: error: no ledger file matches the template {template}\n"
+    assert err == (
+        f"layout-ledger fleet: error: no ledger file matches the template {template}; give the "
+        "template the daemons were given (--expert-layout-ledger), or no PATH for the default "
+        "location\n"
+    )
 
 
 # --- real daemons ---------------------------------------------------------------------------

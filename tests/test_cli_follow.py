@@ -13,6 +13,7 @@ import io
 import json
 import multiprocessing
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -23,11 +24,13 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_ledgers import EPOCH, at, build, committing_writer, query, run_cli
+from cli_ledgers import EPOCH, at, build, commit, committing_writer, query, rotated, run_cli, start
 
 from layout_ledger.cli import exit_codes
 from layout_ledger.cli.commands import status as status_command
+from layout_ledger.cli.follow import POLL_SECONDS
 from layout_ledger.cli.time_text import ago, parse_time
+from layout_ledger.store.ledger import Ledger
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("layout-ledger")
 NOW = datetime.datetime(2026, 3, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
@@ -56,6 +59,37 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
 )
 def test_a_relative_time_reaches_back_from_now(spelled, back):
     assert parse_time(spelled, NOW) == (NOW - back).isoformat(timespec="microseconds")
+
+
+@pytest.mark.parametrize(
+    ("spelled", "moment"),
+    [
+        ("today", datetime.datetime(2026, 3, 1, tzinfo=datetime.timezone.utc)),
+        ("yesterday", datetime.datetime(2026, 2, 28, tzinfo=datetime.timezone.utc)),
+        ("@1733400000", datetime.datetime(2024, 12, 5, 12, tzinfo=datetime.timezone.utc)),
+        ("9:05", datetime.datetime(2026, 3, 1, 9, 5, tzinfo=datetime.timezone.utc)),
+        ("+5min", NOW + datetime.timedelta(minutes=5)),
+        ("2025-12-30", datetime.datetime(2025, 12, 30, tzinfo=datetime.timezone.utc)),
+    ],
+)
+def test_journalctls_day_names_unix_times_clock_times_and_spans_ahead_are_taken_in_utc(
+    spelled, moment
+):
+    assert parse_time(spelled, NOW) == moment.isoformat(timespec="microseconds")
+
+
+def test_every_time_docs_cli_md_says_since_takes_is_taken(clean, capsys):
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    paragraph = text[text.index("**Times**") :].split("\n\n")[0]
+    spelled = [
+        example.strip('"')
+        for example in re.findall(r"`([^`]+)`", paragraph)
+        if not example.startswith("--") and example not in ("-", "s", "min", "m", "h", "d", "w")
+    ]
+    assert len(spelled) >= 15, spelled
+    for moment in spelled:
+        code, _, err = run_cli(capsys, "history", str(clean), f"--since={moment}", "--last", "1")
+        assert (moment, code, err) == (moment, exit_codes.OK, "")
 
 
 def test_an_iso_time_is_utc_without_a_zone_and_z_means_utc():
@@ -98,12 +132,12 @@ def test_after_event_shows_only_later_events_and_json_gives_the_next_cursor(clea
     _, out, _ = run_cli(capsys, "history", str(clean), "--kind", "abort", "--json")
     report = json.loads(out)
     assert [event["event_id"] for event in report["events"]] == [15]
-    assert report["cursor"] == 17
+    assert report["ledgers"] == [{"path": str(clean), "rank": 0, "cursor": 17}]
     _, out, _ = run_cli(capsys, "history", str(clean), "--after-event", "17", "--json")
-    assert (json.loads(out)["events"], json.loads(out)["cursor"]) == ([], 17)
+    assert (json.loads(out)["events"], json.loads(out)["ledgers"][0]["cursor"]) == ([], 17)
 
 
-@pytest.mark.parametrize("other", [["--json"], ["--reverse"], ["--until", "1h"]])
+@pytest.mark.parametrize("other", [["--reverse"], ["--until", "1h"]])
 def test_follow_refuses_options_that_need_an_end(clean, capsys, other):
     code, _, err = run_cli(capsys, "history", str(clean), "--follow", *other)
     assert code == exit_codes.UNUSABLE
@@ -187,7 +221,8 @@ def test_follow_prints_every_committed_event_once_in_order_and_sigint_exits_0(tm
         (last_id,) = query(path, "SELECT max(event_id) FROM events")[0]
         end = str(last_id)
         lines.read_until(
-            lambda got: any(f'"event_id": {end},' in x or x.startswith(f"{end},") for x in got), 30
+            lambda got: any(f'"event_id": {end},' in x or x.split(",")[2:3] == [end] for x in got),
+            30,
         )
         # Nothing changes now (after the follower saw the writer's last checkpoint, a poll or
         # two later): it only compares two stats a poll, reading nothing.
@@ -205,7 +240,7 @@ def test_follow_prints_every_committed_event_once_in_order_and_sigint_exits_0(tm
             follower.wait()
     assert (follower.returncode, err) == (0, b"")
     if form == "--csv":
-        assert lines.lines[0].startswith("event_id,incarnation_id,at,kind,")
+        assert lines.lines[0].startswith("ledger,rank,event_id,incarnation_id,at,kind,")
         ids = [int(row["event_id"]) for row in csv.DictReader(io.StringIO("\n".join(lines.lines)))]
     else:
         ids = [json.loads(line)["event_id"] for line in lines.lines]
@@ -216,8 +251,10 @@ def test_follow_prints_every_committed_event_once_in_order_and_sigint_exits_0(tm
     assert idle_reads == 0, f"an idle follower made {idle_reads} reads in 2 s"
 
 
-def test_follow_of_a_quiet_ledger_prints_the_last_ten_then_stops_on_sigint(clean):
-    follower = _start_follower("history", str(clean), "--follow")
+@pytest.mark.parametrize("form", [[], ["--json"]])
+def test_follow_of_a_quiet_ledger_prints_the_last_ten_then_stops_on_sigint(clean, form):
+    # --json follows as journalctl -f -o json does: one JSON object a line (--nl's rows).
+    follower = _start_follower("history", str(clean), "--follow", *form)
     try:
         lines = _Lines(follower)
         lines.read_until(lambda got: len(got) >= 10, 60)
@@ -228,14 +265,13 @@ def test_follow_of_a_quiet_ledger_prints_the_last_ten_then_stops_on_sigint(clean
             follower.kill()
             follower.wait()
     assert (follower.returncode, err) == (0, b"")
-    assert [line.split()[2] for line in lines.lines] == [f"#{n}" for n in range(8, 18)]
+    if form:
+        assert [json.loads(line)["event_id"] for line in lines.lines] == list(range(8, 18))
+    else:
+        assert [line.split()[2] for line in lines.lines] == [f"#{n}" for n in range(8, 18)]
 
 
 def _start_a_new_incarnation(path: str) -> None:
-    from cli_ledgers import start
-
-    from layout_ledger.store.ledger import Ledger
-
     start(Ledger.open(path))
     os._exit(0)  # killed: the kernel drops the lock
 
@@ -270,6 +306,62 @@ def test_follow_of_a_stopped_daemons_ledger_sees_the_next_daemon_start(tmp_path,
             follower.wait()
     assert (follower.returncode, err) == (0, b"")
     assert [json.loads(line)["incarnation_id"] for line in lines.lines] == [1, 2, 3]
+
+
+def _reads_settled(pid: int) -> None:
+    """Return once process ``pid`` made no read for three polls (it is not inside a read)."""
+    deadline = time.monotonic() + 30
+    before = _read_calls(pid)
+    while True:
+        time.sleep(3 * POLL_SECONDS)
+        now = _read_calls(pid)
+        if now == before:
+            return
+        assert time.monotonic() < deadline, "the follower never stopped reading"
+        before = now
+
+
+@pytest.mark.timeout(120)
+def test_follow_shows_a_commit_that_leaves_the_wal_the_same_size_after_a_checkpoint(tmp_path):
+    # After a checkpoint copied every frame, the next commit writes the WAL again from its
+    # start: the file keeps its size (and inode), only its modification time tells.
+    path = tmp_path / "live.sqlite"
+    wal = Path(f"{path}-wal")
+    ledger = Ledger.open(path)  # this process is the daemon writing the ledger
+    follower = None
+    try:
+        record = start(ledger)
+        record.attach("engine-w")
+        for step in range(8):  # a WAL of many frames
+            commit(record, "engine-w", {step % 4: rotated([0, 1, 2, 3, 0, 1], step % 6)})
+        follower = _start_follower("history", str(path), "--follow", "--nl")
+        lines = _Lines(follower)
+        lines.read_until(lambda got: len(got) >= 10, 60)
+        for _ in range(5):
+            assert ledger.checkpoint().complete
+            _reads_settled(follower.pid)  # it saw the checkpoint (or missed it) and is idle
+            size = wal.stat().st_size
+            version = commit(record, "engine-w", {0: [3, 2, 1, 0, 0, 1]})
+            if wal.stat().st_size == size:
+                break  # a commit the WAL's size does not show (else a read pinned the WAL)
+        else:
+            raise AssertionError("no commit after a checkpoint kept the WAL's size in 5 tries")
+        ((event_id,),) = query(path, "SELECT max(event_id) FROM events WHERE kind = 'commit'")
+        lines.read_until(lambda got: any(f'"event_id": {event_id},' in x for x in got), 10)
+        follower.send_signal(signal.SIGINT)
+        _, err = follower.communicate(timeout=30)
+    finally:
+        if follower is not None and follower.poll() is None:
+            follower.kill()
+            follower.wait()
+        ledger.close()
+    assert (follower.returncode, err) == (0, b"")
+    shown = [json.loads(line) for line in lines.lines]
+    assert (shown[-1]["event_id"], shown[-1]["kind"], shown[-1]["new_version"]) == (
+        event_id,
+        "commit",
+        version,
+    ), "the commit was never shown"
 
 
 # --- many ledgers: one timeline ---------------------------------------------------------------

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_ledgers import run_cli
+from cli_ledgers import query, run_cli
 from ledger_support import SMALL, open_ledger
 
 from layout_ledger.cli import exit_codes
@@ -72,9 +72,11 @@ def _clock_at(moment: datetime.datetime) -> Iterator[None]:
         record_module.utc_now = saved  # type: ignore[assignment]
 
 
-def _status(capsys, *paths: object) -> tuple[int, dict]:
-    code, out, _ = run_cli(capsys, "status", *map(str, paths), "--json")
-    return code, json.loads(out)
+def _status(capsys, path: object, *options: str) -> tuple[int, dict]:
+    """One ledger's status --json: the one report of its list of one."""
+    code, out, _ = run_cli(capsys, "status", str(path), *options, "--json")
+    (report,) = json.loads(out)["ledgers"]
+    return code, report
 
 
 def test_status_of_a_sigkilled_daemons_clean_ledger_exits_6_not_running(tmp_path, capsys):
@@ -127,6 +129,32 @@ def test_a_refusal_makes_state_refusals_only_while_it_is_recent(tmp_path, capsys
         code, report = _status(capsys, path)
         assert (code, report["state"]) == (exit_codes.PENDING_OR_REFUSALS, "refusals")
         assert (report["refusals"], report["recent_refusals"]) == (2, 1)
+    finally:
+        ledger.close()
+
+
+def test_identical_refusals_still_coming_are_recent_though_their_row_began_long_ago(
+    tmp_path, capsys
+):
+    # A flood of one refusal is one row (count, first time ``at``, last time ``last_at``): its
+    # newest refusal, not its first, says whether the daemon refuses now.
+    path = tmp_path / "l.sqlite"
+    ledger = _open(path)
+    try:
+        record = ledger.record
+        assert record is not None
+        past = datetime.datetime.now(datetime.timezone.utc) - REFUSALS_WINDOW * 1.2
+        with _clock_at(past):
+            record.attach("engine-a")
+            record.record_refusal("attach", "engine-a", "engine 'engine-a' is already attached")
+        record.record_refusal("attach", "engine-a", "engine 'engine-a' is already attached")
+        rows = query(path, "SELECT count, at < last_at FROM events WHERE kind = 'attach_refused'")
+        assert rows == [(2, 1)]  # one row, begun long ago, refused again now
+        code, report = _status(capsys, path)
+        assert (code, report["state"]) == (exit_codes.PENDING_OR_REFUSALS, "refusals")
+        assert (report["refusals"], report["recent_refusals"]) == (2, 2)
+        _, out, _ = run_cli(capsys, "status", str(path))
+        assert "refusals:            2 (2 in the last 10 minutes)\n" in out
     finally:
         ledger.close()
 

@@ -1,9 +1,8 @@
 """Many ledgers per call (issue 23, item 3): ``status`` and ``backup`` take ``fleet``'s PATH...
 forms (files, directories, the daemons' template), and a retired ledger stops being counted.
 
-The many-ledger form is chosen by the command line alone (more than one PATH, a directory or a
-template), so a script gets one shape whatever matched; one file is the one-ledger form, as
-before.
+Machine output has one shape whatever names the ledgers: one ledger is a list of one (the human
+text of one file stays the one-ledger form).
 """
 
 from __future__ import annotations
@@ -14,8 +13,9 @@ import stat
 from pathlib import Path
 
 import pytest
-from cli_ledgers import run_cli
+from cli_ledgers import build, run_cli
 from engine_ledgers import EngineLedgers
+from ledger_support import open_ledger, start
 
 from layout_ledger.cli import exit_codes
 from layout_ledger.cli.commands.metrics import collect_metrics, exposition
@@ -49,9 +49,53 @@ def test_status_of_a_directory_a_template_and_files_gives_one_report_each(engine
     blocks = out.split("\n\n")
     assert len(blocks) == 4 and blocks[1].startswith(f"ledger:              {engine.paths[1]}\n")
     assert blocks[-1] == "3 ledgers: 2 clean, 1 dirty; worst: dirty\n"
-    # One file: the one-ledger form, as before.
+    # One file: the same shape, a list of one (a script parses one shape whatever it named).
     code, out, _ = run_cli(capsys, "status", str(engine.paths[0]), "--json")
-    assert (code, json.loads(out)["path"]) == (exit_codes.OK, str(engine.paths[0]))
+    assert code == exit_codes.OK
+    assert sorted(json.loads(out)) == ["ledgers", "state"]
+    assert [item["path"] for item in json.loads(out)["ledgers"]] == [str(engine.paths[0])]
+
+
+def _shape(value: object) -> object:
+    """The keys of every object in ``value``, nested (lists by their first item), not values."""
+    if isinstance(value, dict):
+        return {key: _shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_shape(value[0])] if value else []
+    return None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status", "{path}", "--json"],
+        ["history", "{path}", "--json"],
+        ["history", "{path}", "--last", "2", "--nl"],
+        ["history", "{path}", "--last", "2", "--csv"],
+        ["backup", "{path}", "{out}", "--json"],
+    ],
+    ids=["status --json", "history --json", "history --nl", "history --csv", "backup --json"],
+)
+def test_machine_output_has_one_shape_whether_a_file_a_directory_or_a_template_names_one_ledger(
+    tmp_path, capsys, argv
+):
+    (tmp_path / "ledgers").mkdir()
+    path = build("clean", tmp_path / "ledgers" / "rank-GPU-0.sqlite")
+    expected = exit_codes.NOT_RUNNING if argv[0] == "status" else exit_codes.OK
+    shapes = []
+    for n, named in enumerate([path, path.parent, path.parent / "rank-{device_uuid}.sqlite"]):
+        into = tmp_path / f"copies-{n}"
+        into.mkdir()
+        filled = [{"{path}": str(named), "{out}": str(into)}.get(arg, arg) for arg in argv]
+        code, out, err = run_cli(capsys, *filled)
+        assert (code, err) == (expected, "")
+        if "--csv" in argv:
+            shapes.append(out.splitlines()[0])  # the header: the columns
+        elif "--nl" in argv:
+            shapes.append(_shape(json.loads(out.splitlines()[0])))
+        else:
+            shapes.append(_shape(json.loads(out)))
+    assert shapes[0] == shapes[1] == shapes[2]
 
 
 def test_status_of_many_reports_an_unreadable_one_and_exits_2_when_nothing_is_worse(
@@ -124,7 +168,7 @@ def test_a_retired_ledger_is_shown_but_not_counted_and_unretire_undoes_it(engine
     assert report["ledgers"][2]["state"] == "retired"
     assert report["ledgers"][2]["retired"]["reason"] == "GPU 2 replaced"
     code, status = run_cli(capsys, "status", paths[2], "--json")[:2]
-    assert (code, json.loads(status)["state"]) == (exit_codes.OK, "retired")
+    assert (code, json.loads(status)["ledgers"][0]["state"]) == (exit_codes.OK, "retired")
     text = exposition(collect_metrics(engine.paths)).decode()
     lines = [line for line in text.splitlines() if paths[2] in line]
     assert sorted(line.split("{")[0] for line in lines) == [
@@ -151,7 +195,46 @@ def test_a_running_daemons_ledger_cannot_be_retired_and_a_new_incarnation_ends_a
     assert not Path(paths[0] + ".retired").exists()
     engine.ledgers[0].end_incarnation()
     assert run_cli(capsys, "retire", paths[0])[0] == exit_codes.OK
-    assert json.loads(run_cli(capsys, "status", paths[0], "--json")[1])["state"] == "retired"
+    (status,) = json.loads(run_cli(capsys, "status", paths[0], "--json")[1])["ledgers"]
+    assert status["state"] == "retired"
     engine.records[0] = engine._start(0)  # the GPU is back: a daemon starts on the ledger
-    status = json.loads(run_cli(capsys, "status", paths[0], "--json")[1])
+    (status,) = json.loads(run_cli(capsys, "status", paths[0], "--json")[1])["ledgers"]
     assert (status["state"], status["retired"]) == ("clean", None)
+
+
+def test_the_exit_code_of_many_statuses_is_the_worst_in_the_documented_order(
+    engine, tmp_path, capsys
+):
+    # dirty (3), pending (4), not_running (6), refusals (4), unreadable (2), clean (0): each
+    # ledger set below drops the worst of the one before, and the next state decides.
+    engine.leave_mid_move(0)
+    engine.begin(1)
+    engine.records[2].record_refusal("attach", "engine-x", "engine 'engine-x' is already attached")
+    stopped = build("clean", tmp_path / "stopped.sqlite")  # its daemon died: not_running
+    broken = tmp_path / "broken.sqlite"
+    broken.write_text("hello")
+    by_state = {
+        "dirty": engine.paths[0],
+        "pending": engine.paths[1],
+        "not_running": stopped,
+        "refusals": engine.paths[2],
+        "unreadable": broken,
+    }
+    expected = {
+        "dirty": exit_codes.DIRTY,
+        "pending": exit_codes.PENDING_OR_REFUSALS,
+        "not_running": exit_codes.NOT_RUNNING,
+        "refusals": exit_codes.PENDING_OR_REFUSALS,
+        "unreadable": exit_codes.UNUSABLE,
+    }
+    clean = open_ledger(tmp_path / "clean.sqlite")
+    try:
+        start(clean)
+        order = list(by_state)
+        for worst in range(len(order) + 1):
+            paths = [*(str(by_state[state]) for state in order[worst:]), str(clean.path)]
+            code, out, _ = run_cli(capsys, "status", *paths, "--json")
+            state = order[worst] if worst < len(order) else "clean"
+            assert (code, json.loads(out)["state"]) == (expected.get(state, exit_codes.OK), state)
+    finally:
+        clean.close()

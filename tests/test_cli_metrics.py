@@ -217,7 +217,7 @@ def test_only_metrics_imports_prometheus_client_and_without_it_metrics_says_how_
     assert result.returncode == exit_codes.FAILED, result.stderr
     assert result.stderr == (
         "layout-ledger metrics: error: layout-ledger metrics needs the prometheus_client library "
-        "(pip install 'sglang-expert-layout-ledger[metrics]')\n"
+        "(python -m pip install prometheus-client: the [metrics] extra)\n"
     )
 
 

@@ -87,7 +87,7 @@ def test_plot_into_a_missing_directory_fails_in_one_line(clean, tmp_path, capsys
     assert code == exit_codes.FAILED
     assert err == (
         f"layout-ledger plot: error: cannot write {output}: the directory {output.parent} does "
-        f"not exist\n"
+        f"not exist; create it, or name a file in an existing directory\n"
     )
 
 

@@ -145,8 +145,8 @@ def test_status_of_old_refusals_of_a_killed_daemon_says_it_is_not_running(ledger
 @pytest.mark.parametrize("kind", ["clean", "dirty", "mid_move", "refusals"])
 def test_status_json_carries_the_protocol_layout_state_without_the_map(ledgers, capsys, kind):
     code, out, _ = run_cli(capsys, "status", str(ledgers[kind]), "--json")
-    status = json.loads(out)
-    assert out == json.dumps(status, sort_keys=True, indent=2) + "\n"
+    assert out == json.dumps(json.loads(out), sort_keys=True, indent=2) + "\n"
+    (status,) = json.loads(out)["ledgers"]
     with LedgerReader(ledgers[kind]) as reader:
         state = reader.state()
     protocol = LayoutView.of(state).to_wire()
@@ -168,7 +168,7 @@ def test_status_json_carries_the_protocol_layout_state_without_the_map(ledgers, 
 
 def test_status_json_of_the_dirty_ledger_holds_the_dirty_move(ledgers, capsys):
     _, out, _ = run_cli(capsys, "status", str(ledgers["dirty"]), "--json")
-    status = json.loads(out)
+    (status,) = json.loads(out)["ledgers"]
     assert status["dirty_move"] == {
         "engine_id": "engine-a",
         "layers": [2, 3],
@@ -267,6 +267,10 @@ def test_history_json_is_the_ledger_events_view_row_for_row(ledgers, capsys):
         conn.close()
     for row in rows:
         row["layers"] = None if row["layers"] is None else json.loads(row["layers"])
+    # One shape whatever names the ledgers: each event names its ledger and rank.
+    assert [(event.pop("ledger"), event.pop("rank")) for event in history["events"]] == [
+        (str(path), 0)
+    ] * len(rows)
     assert history["events"] == rows
     assert [event["kind"] for event in rows] == [
         "start",
@@ -477,11 +481,33 @@ def test_export_writes_an_init_expert_location_file_of_the_version(ledgers, caps
 
 def test_export_json_names_the_version_and_digest_exported(ledgers, capsys, tmp_path):
     output = tmp_path / "current.json"
-    _, out, _ = run_cli(capsys, "export", str(ledgers["dirty"]), "-o", str(output), "--json")
+    argv = ["export", str(ledgers["dirty"]), "-o", str(output), "--json", "--force"]
+    _, out, _ = run_cli(capsys, *argv)
     exported = json.loads(out)
     the_map = json.loads(output.read_text())["physical_to_logical_map"]
     assert exported["digest"] == layout_digest(the_map)
     assert (exported["version"], exported["dirty"], exported["check"]) == (1, True, None)
+    assert exported["dirty_reason"].startswith("engine 'engine-a' detached while its move")
+
+
+def test_export_refuses_a_dirty_ledger_naming_why_and_the_runbooks_section_unless_forced(
+    ledgers, capsys, tmp_path
+):
+    output = tmp_path / "dirty.json"
+    code, out, err = run_cli(capsys, "export", str(ledgers["dirty"]), "-o", str(output))
+    assert (code, out) == (exit_codes.DIRTY, "")
+    assert err.startswith(
+        f"layout-ledger export: error: incarnation 1 of {ledgers['dirty']} is dirty (engine "
+        "'engine-a' detached while its move"
+    )
+    assert err.endswith(
+        "so no engine should start from it: restart the daemons first (docs/operations.md, "
+        '"... because a daemon is dirty"), or pass --force to export it anyway\n'
+    )
+    assert not output.exists()
+    code, out, _ = run_cli(capsys, "export", str(ledgers["dirty"]), "-o", str(output), "--force")
+    assert code == exit_codes.OK
+    assert out.splitlines()[2].startswith("note: this incarnation is dirty")
 
 
 def test_export_refuses_a_file_name_sglang_would_parse_as_inline_json(ledgers, capsys, tmp_path):
@@ -492,20 +518,49 @@ def test_export_refuses_a_file_name_sglang_would_parse_as_inline_json(ledgers, c
     assert not output.exists()
 
 
-def test_export_of_a_ledger_mid_move_says_a_move_is_pending(ledgers, capsys, tmp_path):
+def test_export_refuses_a_ledger_mid_move_unless_forced_and_then_says_a_move_is_pending(
+    ledgers, capsys, tmp_path
+):
     output = tmp_path / "pending.json"
-    code, out, _ = run_cli(capsys, "export", str(ledgers["mid_move"]), "-o", str(output))
+    code, out, err = run_cli(capsys, "export", str(ledgers["mid_move"]), "-o", str(output))
+    assert (code, out) == (exit_codes.PENDING_OR_REFUSALS, "")
+    assert err == (
+        f"layout-ledger export: error: incarnation 1 of {ledgers['mid_move']} has a move pending "
+        f"(engine 'engine-a', layers 0-1, from version 1, since {at(4)}), which changes the "
+        "layout this file would hold: wait for it to commit, then export again "
+        '(docs/operations.md, "... because a move is pending, or stuck"), or pass --force to '
+        "export it anyway\n"
+    )
+    assert not output.exists()
+    code, out, _ = run_cli(capsys, "export", str(ledgers["mid_move"]), "-o", str(output), "--force")
     assert code == exit_codes.OK
     assert out.splitlines()[2:] == [
         f"note: a move is pending (engine 'engine-a', layers 0-1, from version 1, since "
         f"{at(4)}); the file holds the last committed layout, which that move changes when it "
         "commits"
     ]
-    _, out, _ = run_cli(capsys, "export", str(ledgers["mid_move"]), "-o", str(output), "--json")
+    argv = ["-o", str(output), "--json", "--force"]
+    _, out, _ = run_cli(capsys, "export", str(ledgers["mid_move"]), *argv)
     exported = json.loads(out)
     assert exported["pending"] == {"engine_id": "engine-a", "layers": [0, 1], "base_version": 1}
-    _, out, _ = run_cli(capsys, "export", str(ledgers["clean"]), "-o", str(output), "--json")
+    _, out, _ = run_cli(capsys, "export", str(ledgers["clean"]), *argv)
     assert json.loads(out)["pending"] is None
+
+
+def test_export_never_replaces_an_existing_file_unless_forced(ledgers, capsys, tmp_path):
+    output = tmp_path / "layout.json"
+    output.write_text("an earlier export\n")
+    code, out, err = run_cli(capsys, "export", str(ledgers["clean"]), "-o", str(output))
+    assert (code, out) == (exit_codes.FAILED, "")
+    assert err == (
+        f"layout-ledger export: error: {output} already exists; nothing was written: export "
+        "never replaces a file: remove it, name another, or pass --force to replace it\n"
+    )
+    assert output.read_text() == "an earlier export\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layout.json"]
+    code, _, _ = run_cli(capsys, "export", str(ledgers["clean"]), "-o", str(output), "--force")
+    assert code == exit_codes.OK
+    assert json.loads(output.read_text())["physical_to_logical_map"] == map_after(MOVES, 3)
 
 
 def test_export_check_that_fails_writes_nothing_and_keeps_an_earlier_file(
@@ -515,10 +570,13 @@ def test_export_check_that_fails_writes_nothing_and_keeps_an_earlier_file(
     output.write_text("an earlier export\n")
     no_model = tmp_path / "no-model"
     no_model.mkdir()
-    argv = ["export", str(ledgers["clean"]), "-o", str(output), "--check"]
+    argv = ["export", str(ledgers["clean"]), "-o", str(output), "--check", "--force"]
     code, out, err = run_cli(capsys, *argv, "--model-path", str(no_model))
     assert (code, out) == (exit_codes.FAILED, "")
-    assert err == f"layout-ledger export: error: --model-path {no_model} has no config.json\n"
+    assert err == (
+        f"layout-ledger export: error: --model-path {no_model} has no config.json; pass the "
+        "model's directory, the one that holds its config.json\n"
+    )
     assert output.read_text() == "an earlier export\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["layout.json", "no-model"]
 

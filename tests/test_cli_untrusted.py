@@ -126,7 +126,7 @@ def test_json_output_keeps_the_ledger_text_exact(tmp_path, capsys):
     path = forge(build("clean", tmp_path / "l.sqlite"), digests=False)
     _, out, _ = run_cli(capsys, "status", str(path), "--json")
     assert _terminal_safe(out)
-    status = json.loads(out)
+    (status,) = json.loads(out)["ledgers"]
     assert status["attached"] == [EVIL_ENGINE]
     assert status["daemon_label"] == "test-daemon\x1b]0;owned\x07"
 

@@ -123,6 +123,29 @@ def test_no_repair_unless_every_daemon_was_left_by_the_same_unfinished_move():
     assert "does not have this engine's shape" in narrower.reason
 
 
+@pytest.mark.parametrize("differ", ["digest", "version"])
+def test_no_repair_when_the_daemons_one_move_left_hold_different_layouts(differ):
+    # The same move (layers, base version) on both, but rank 1's daemon holds another map (or
+    # version): rows derived from rank 0's map would record a layout rank 1 never held.
+    contents = _contents(_world())
+    view = contents[1].view
+    assert view is not None
+    other = [list(row) for row in BASE]
+    other[3][6], other[3][7] = other[3][7], other[3][6]
+    changed: dict[str, object] = (
+        {"digest": layout_digest(other), "physical_to_logical_map": other}
+        if differ == "digest"
+        else {"version": 4}
+    )
+    contents[1] = RankContent(1, ContentKind.CONTENT, view=dataclasses.replace(view, **changed))
+    result = plan_repair(_findings(), contents, FAILED, SHAPE)
+    assert isinstance(result, FailStartup)
+    assert result.reason == (
+        "a daemon is dirty. No repair is possible: the daemons were left by different moves or "
+        "at different versions."
+    )
+
+
 def test_expected_contents_learns_every_expert_from_every_daemon_and_flags_conflicts():
     world = _world()
     known = expected_contents(_contents(world), BASE)

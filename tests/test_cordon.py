@@ -73,6 +73,7 @@ def test_a_cordoned_daemon_answers_a_lone_engines_begin_busy_naming_the_cordon()
         ("none", {"base_version": 7}, errors.StaleBaseVersion),
         ("none", {"layers": [99]}, errors.InvalidRequest),
         ("pending", {}, errors.MoveAlreadyPending),
+        ("non_following", {}, errors.MovesDisabled),
     ],
 )
 def test_a_begin_that_would_be_refused_is_refused_not_busy_while_cordoned(
@@ -83,10 +84,25 @@ def test_a_begin_that_would_be_refused_is_refused_not_busy_while_cordoned(
         record.mark_content_dirty([0], "slot 1 holds expert 3, not expert 1")
     if setup == "pending":
         record.begin("engine-a", 0, [1])
+    if setup == "non_following":
+        assert not record.fetch(None).following  # an older engine fetched the weights
     record.cordon_moves("drain")
     fields = {"engine_id": "engine-a", "base_version": 0, "layers": [0], **request_fields}
     with pytest.raises(refusal):
         record.begin(fields["engine_id"], fields["base_version"], fields["layers"])
+
+
+@pytest.mark.parametrize(
+    "reason",
+    ["", "   ", "two\nlines", "x" * 257, 7],
+    ids=["empty", "blank", "two lines", "too long", "not text"],
+)
+def test_a_cordon_whose_reason_says_nothing_or_is_not_one_line_of_text_is_refused(reason):
+    record = _record()
+    with pytest.raises(errors.InvalidRequest, match="a cordon's reason must be"):
+        record.cordon_moves(reason)
+    assert record.cordon is None
+    record.begin("engine-a", 0, [0])  # moves may still begin
 
 
 def test_cordon_and_uncordon_are_recorded_once_and_a_bad_reason_is_refused_with_one_event(
@@ -185,7 +201,7 @@ def test_cordon_over_a_real_daemons_socket_then_status_fleet_metrics_show_it(tmp
         )
         busy = engine.begin(0, [0])
         assert busy.outcome is msg.Outcome.BUSY and "this daemon is cordoned since" in busy.reason
-        status = json.loads(run_cli(capsys, "status", ledger, "--json")[1])
+        (status,) = json.loads(run_cli(capsys, "status", ledger, "--json")[1])["ledgers"]
         assert status["cordon"]["reason"].startswith("stop for GPU swap; by ")
         assert (status["state"], status["busy_begins"], status["refusals"]) == ("clean", 1, 0)
         _, out, _ = run_cli(capsys, "status", ledger)
@@ -227,6 +243,26 @@ def test_cordon_of_a_daemon_without_a_record_is_nothing_to_do_and_a_dead_socket_
     code, out, _ = run_cli(capsys, "cordon", daemon.socket_path, "--json")
     assert code == exit_codes.NOT_RUNNING
     assert json.loads(out)["daemons"][0]["result"] == "not_running"
+
+
+def test_cordon_fails_with_exit_1_on_a_daemon_that_does_not_know_cordons(tmp_path, capsys):
+    # sglang's own daemon (no plugin) keeps a weight cache but knows no cordon: a stop script
+    # must not go on as if no move could begin there (an older plugin answers the same way).
+    daemon = start_daemon(tmp_path, record="no-plugin")
+    try:
+        for verb in ("cordon", "uncordon"):
+            code, out, err = run_cli(capsys, verb, daemon.socket_path)
+            assert (code, err) == (exit_codes.FAILED, "")
+            assert out == (
+                f"{daemon.socket_path}: this daemon does not know {verb} (sglang's own daemon, "
+                f"or this plugin from before cordons): Unknown request type: "
+                f"expert_layout_{verb}\n"
+            )
+        code, out, _ = run_cli(capsys, "cordon", daemon.socket_path, "--json")
+        assert code == exit_codes.FAILED
+        assert json.loads(out)["daemons"][0]["result"] == "older_daemon"
+    finally:
+        daemon.kill()
 
 
 def test_a_cordon_request_with_a_bad_reason_is_refused_by_the_daemon(tmp_path):
@@ -285,6 +321,22 @@ def test_ready_to_stop_needs_every_rank_attached_cordoned_and_no_move_pending(en
     assert report["ranks"][1]["problems"] == [
         "engine 'engine-b' is not attached (attached: 'engine-a')"
     ]
+
+
+def test_ready_to_stop_refuses_a_prefix_that_names_several_attached_engines(engine, capsys):
+    # A stop script for engine-b that typed a prefix must not be told engine-a is ready.
+    engine.records[1].attach("engine-b")
+    for record in engine.records:
+        record.cordon_moves("drain")
+    paths = list(map(str, engine.paths))
+    code, out, err = run_cli(capsys, "fleet", *paths, "--ready-to-stop", "engine-")
+    assert (code, out) == (exit_codes.FAILED, "")
+    assert err == (
+        "layout-ledger fleet: error: --ready-to-stop 'engine-' matches 2 attached engines: "
+        "'engine-a', 'engine-b'; give more of the id\n"
+    )
+    code, report, _ = _ready(capsys, engine, "engine-b")
+    assert (code, report["engine_id"]) == (exit_codes.NOT_READY, "engine-b")
 
 
 def test_fleet_wide_adds_attached_pending_since_last_commit_and_cordon(engine, capsys):

@@ -1,7 +1,7 @@
 """A short run of scripts/crash_campaign.py: the daemon SIGKILLed mid-stream and restarted on
 the same ledger, a reader holding snapshots meanwhile; nothing acknowledged is lost, every
 restart derives the state the engine saw, verify passes. (The full campaign, 1,000 kills at
-DeepSeek-V3 scale, is a script; its table is in the README.)"""
+DeepSeek-V3 scale, is a script; its table is in docs/benchmarks.md.)"""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from sglang_integration.settings import (
 SOCKET_ENV = "SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"
 
 
-NAMES = (SOCKET_ENV, *(setting.env for setting in settings.SETTINGS))
+NAMES = (SOCKET_ENV, "XDG_STATE_HOME", *(setting.env for setting in settings.SETTINGS))
 
 
 @pytest.fixture(autouse=True)
@@ -41,18 +41,41 @@ def clean_env() -> Iterator[None]:
             os.environ[name] = value
 
 
-def test_the_default_ledger_lies_beside_sglangs_default_socket() -> None:
-    assert ledger_paths.socket_template() == "/tmp/sglang_weight_cache_{device_uuid}.sock"
+def test_a_root_daemons_default_ledger_survives_a_reboot_under_var_lib(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setenv("XDG_STATE_HOME", "/home/x/.state")  # not a root daemon's
     assert ledger_paths.ledger_path("GPU-1234") == (
-        "/tmp/sglang_expert_layouts/sglang_expert_layout_GPU-1234.sqlite"
+        "/var/lib/sglang/expert_layouts/expert_layout_GPU-1234.sqlite"
     )
 
 
-def test_the_ledger_follows_a_moved_socket_template(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(SOCKET_ENV, "/run/wc/{device_uuid}/daemon.sock")
+def test_another_users_default_ledger_lies_in_its_xdg_state_home(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("HOME", "/home/op")
     assert ledger_paths.ledger_path("GPU-9") == (
-        "/run/wc/GPU-9/sglang_expert_layouts/sglang_expert_layout_GPU-9.sqlite"
+        "/home/op/.local/state/sglang/expert_layouts/expert_layout_GPU-9.sqlite"
     )
+    monkeypatch.setenv("XDG_STATE_HOME", "/srv/state")
+    assert ledger_paths.ledger_path("GPU-9") == (
+        "/srv/state/sglang/expert_layouts/expert_layout_GPU-9.sqlite"
+    )
+    monkeypatch.setenv("XDG_STATE_HOME", "relative/state")  # XDG: a relative one is ignored
+    assert ledger_paths.ledger_path("GPU-9").startswith("/home/op/.local/state/")
+
+
+@pytest.mark.parametrize("euid", [0, 1000])
+def test_the_default_ledger_is_never_under_tmp_even_when_the_sockets_are(
+    monkeypatch: pytest.MonkeyPatch, euid: int
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: euid)
+    monkeypatch.setenv("HOME", "/home/op")
+    for sockets in ("/tmp/sglang_weight_cache_{device_uuid}.sock", "/run/wc/{device_uuid}.sock"):
+        monkeypatch.setenv(SOCKET_ENV, sockets)  # sglang's default, and a moved one
+        assert not ledger_paths.ledger_path("GPU-9").startswith(("/tmp/", "/run/"))
 
 
 def test_the_env_var_overrides_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,10 +176,12 @@ def test_the_daemon_makes_the_default_ledger_directory_private(
 ) -> None:
     import stat
 
-    monkeypatch.setenv(SOCKET_ENV, f"{tmp_path}/wc_{{device_uuid}}.sock")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("XDG_STATE_HOME", f"{tmp_path}/state")  # missing: made 0700 too
     path = ledger_paths.prepare_ledger_path("GPU-7")
-    assert path == f"{tmp_path}/sglang_expert_layouts/sglang_expert_layout_GPU-7.sqlite"
-    assert stat.S_IMODE(os.stat(tmp_path / "sglang_expert_layouts").st_mode) == 0o700
+    assert path == f"{tmp_path}/state/sglang/expert_layouts/expert_layout_GPU-7.sqlite"
+    for directory in ("state", "state/sglang", "state/sglang/expert_layouts"):
+        assert stat.S_IMODE(os.stat(tmp_path / directory).st_mode) == 0o700, directory
     monkeypatch.setenv(LEDGER_TEMPLATE.env, f"{tmp_path}/mine/{{device_uuid}}.db")
     assert ledger_paths.prepare_ledger_path("GPU-7") == f"{tmp_path}/mine/GPU-7.db"
     assert not (tmp_path / "mine").exists()  # a chosen location is the operator's to prepare

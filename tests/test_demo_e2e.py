@@ -22,7 +22,7 @@ from demo_cases import (
     run_demo,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "operations.md"  # the sqlite3 cookbook
 CONFIG = DemoConfig(case1_rebalances=2, case2_rebalances=(1, 1, 1), case3_rebalances_before_kill=1)
 CHUNKS = CONFIG.chunks_per_rebalance
 

@@ -94,7 +94,7 @@ def test_cpu_path_shares_experts_by_torch_ipc_and_b_adopts_the_ledger_with_sglan
     assert "rebuild_storage_filename" in _measured(setup, "the IPC handles")
     assert _measured(setup, "framing the engines' client").startswith("sglang's")
     small = _stage(document, "1 small")
-    # The CPU demo's case 1 (README): version 20, B 96/96 right, B ignoring the record 85/96 wrong.
+    # The CPU demo's case 1 (docs/demo.md): version 20, B 96/96 right, the record ignored 85/96.
     assert _measured(small, "daemon version after A") == "20"
     assert _measured(small, "B adopts the ledger's version") == "20"
     assert _measured(small, "B: slots holding the expert") == "96/96"

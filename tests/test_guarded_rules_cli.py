@@ -101,4 +101,6 @@ def test_an_engine_id_with_bidirectional_and_zero_width_marks_is_shown_escaped(
     _, out, _ = run_cli(capsys, "history", str(path), "--kind", "start")
     assert out.splitlines()[0].endswith("  (test-daemon\\u200f\\u2068)")
     _, out, _ = run_cli(capsys, "status", str(path), "--json")
-    assert json.loads(out)["attached"] == [ID_THAT_READS_BACKWARDS]  # --json keeps it exact
+    assert json.loads(out)["ledgers"][0]["attached"] == [
+        ID_THAT_READS_BACKWARDS
+    ]  # --json keeps it exact

@@ -17,6 +17,9 @@ the suite before these tests.
   mover, not after the 300 s default.
 - The content check marks a daemon dirty for content that moved in a layer no pending move is
   changing, while a move is pending.
+- A repair is proven by the daemon's own fingerprints: a print carried in
+  ``expected_fingerprints`` counts only for an expert the daemon never held; for one it recorded,
+  another print is refused (a forged repair naming the wrong content) and nothing changes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from ledger_support import refusals_added, table_dump
 
 from demo_cases import DemoConfig, Workspace
 from demo_cases.workspace import query_daemons, wait_for_daemons
@@ -455,24 +459,36 @@ def test_a_wait_timeout_of_0_fails_the_start_at_once_naming_the_mover(
     assert requests == [protocol.ATTACH]  # not one poll
 
 
+def _put_expert(experts: SharedExperts, slot: int, expert: int) -> None:
+    """Expert ``expert``'s bytes into ``slot`` of layer 0, in every tensor."""
+    for index, tensor in enumerate(experts.tensors):
+        tensor[0, slot] = expert_values(0, expert, index, tensor.shape[-1])
+
+
+def _left_mid_move(
+    handle: DaemonProcess, experts: SharedExperts, slot: int, expert: int
+) -> msg.ContentView:
+    """A mover began a move of layer 0, put ``expert`` into ``slot`` and was SIGKILLed: the
+    daemon is dirty; returns its content then."""
+    mover = EngineStandIn.start(handle.socket_path, "engine-a")
+    assert mover.begin(0, [0]).ok
+    _put_expert(experts, slot, expert)
+    mover.kill()
+    deadline = time.monotonic() + 30
+    while not _layout(handle).dirty:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    content = client.content_check(handle.socket_path).content
+    assert content is not None
+    return content
+
+
 def test_a_daemon_refuses_a_forged_repair_of_an_expert_it_never_held_unless_its_print_is_carried(
     tmp_path: Path,
 ) -> None:
-    from sglang_integration.testing.shared_experts import expert_values
-
     handle, experts = _daemon_of_rank_zero_of_two(tmp_path)
     try:
-        mover = EngineStandIn.start(handle.socket_path, "engine-a")
-        assert mover.begin(0, [0]).ok
-        for index, tensor in enumerate(experts.tensors):  # expert 6 (rank 1's) into slot 0
-            tensor[0, 0] = expert_values(0, 6, index, tensor.shape[-1])
-        mover.kill()
-        deadline = time.monotonic() + 30
-        while not _layout(handle).dirty:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        content = client.content_check(handle.socket_path).content
-        assert content is not None
+        content = _left_mid_move(handle, experts, 0, 6)  # expert 6 (rank 1's) into slot 0
         attachment = client.attach(handle.socket_path, "engine-b")
         row = list(INITIAL[0])
         row[0], row[6] = 6, 0
@@ -490,6 +506,41 @@ def test_a_daemon_refuses_a_forged_repair_of_an_expert_it_never_held_unless_its_
             handle.socket_path, "engine-b", {0: row}, prints, expected_fingerprints=carried
         )
         assert repaired.ok and repaired.body["version"] == 1, repaired
+        assert not _layout(handle).dirty
+        attachment.close()
+    finally:
+        handle.stop()
+
+
+def test_a_daemon_refuses_a_repair_carrying_another_print_of_an_expert_it_recorded(
+    tmp_path: Path,
+) -> None:
+    # A repair is proven by the daemon's own fingerprints: for an expert it recorded, a print
+    # the repair carries counts for nothing, so a forged one (the bytes a slot holds now, named
+    # as the expert the row claims) is refused and the ledger keeps its dirty mark.
+    handle, experts = _daemon_of_rank_zero_of_two(tmp_path)
+    try:
+        content = _left_mid_move(handle, experts, 1, 7)  # expert 7 (rank 1's) into slot 1
+        attachment = client.attach(handle.socket_path, "engine-b")
+        row = list(INITIAL[0])  # as before the move: expert 1 in slot 1
+        prints = {0: list(content.current[0])}
+        forged = {0: {1: content.current[0][1]}}  # what slot 1 holds, carried as expert 1's
+        assert handle.ledger_path is not None
+        before = table_dump(Path(handle.ledger_path))
+        refused = client.repair(
+            handle.socket_path, "engine-b", {0: row}, prints, expected_fingerprints=forged
+        )
+        assert refused.outcome is Outcome.REFUSED, refused
+        assert "layer 0 slot 1" in (refused.reason or "") and "expert 1" in (refused.reason or "")
+        assert refusals_added(Path(handle.ledger_path), before) == ["repair_refused"]
+        layout = _layout(handle)
+        assert layout.dirty and layout.version == 0
+        # Expert 1's own bytes back in slot 1: the same repair, carrying nothing, is accepted.
+        _put_expert(experts, 1, 1)
+        content = client.content_check(handle.socket_path).content
+        assert content is not None
+        honest = client.repair(handle.socket_path, "engine-b", {0: row}, {0: content.current[0]})
+        assert honest.ok and honest.body["version"] == 1, honest
         assert not _layout(handle).dirty
         attachment.close()
     finally:

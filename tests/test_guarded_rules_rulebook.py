@@ -9,7 +9,10 @@ break without any other test noticing; each test names its rule and breaks where
   refused with the advice to upgrade the engine or restart the daemon, whether or not an engine
   is attached.
 - The content check marks a daemon dirty for content that moved without a commit in every layer
-  that no pending move is changing, a move pending or not.
+  that no pending move is changing, a move pending or not; the commit of the move pending then
+  is refused (the layout is unknown), and changes nothing.
+- A commit whose moved-in slot holds less than the whole expert its row names (half-written,
+  or bytes of no expert), an expert the daemon knows, marks the daemon dirty.
 
 Slots are the ``content_support`` stand-ins (a fingerprint per layer and expert); records are the
 real ``LayoutRecord`` on a real ledger where the history matters (``verify`` must accept it).
@@ -17,9 +20,13 @@ real ``LayoutRecord`` on a real ledger where the history matters (``verify`` mus
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
-from content_support import Slots, expert_fingerprint
-from ledger_support import SMALL, open_ledger
+from content_support import Slots, expert_fingerprint, half_and_half
+from ledger_support import SMALL, open_ledger, refusals_added, table_dump
 
 from layout_ledger.core import errors, rules
 from layout_ledger.core.content import ZERO, ExpertContents, LocalFingerprints
@@ -27,8 +34,10 @@ from layout_ledger.core.layout import Map, trivial_map
 from layout_ledger.core.record import LayoutRecord
 from layout_ledger.history.checks import collect_verify
 from layout_ledger.history.reader import LedgerReader
+from layout_ledger.store.ledger import Ledger
 
 LOCAL = 6  # SMALL's 12 slots on two EP ranks: rank 1 holds slots 6-11
+INITIAL = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
 UPGRADE_ADVICE = "upgrade the engine (install the expert layout plugin) or restart the daemon"
 
 
@@ -127,6 +136,39 @@ def test_a_commit_whose_moved_in_slot_of_a_new_expert_is_zero_filled_marks_the_d
         ledger.close()
 
 
+def _moving_into_slot_3_of_layer_2(expert: int) -> tuple[LayoutRecord, Slots, list[int]]:
+    """EP rank 0's record (slots 0-5), engine A moving ``expert`` into slot 3 of layer 2: the
+    record, the slots (filled as the new row says) and that row."""
+    slots = Slots(INITIAL, 0, LOCAL)
+    record = LayoutRecord.in_memory(SMALL, INITIAL, content=slots.fingerprints())
+    record.attach("A")
+    record.begin("A", 0, [2])
+    row = list(INITIAL[2])
+    row[3] = expert
+    slots.fill(2, row)
+    return record, slots, row
+
+
+@pytest.mark.parametrize(
+    ("held", "text"),
+    [
+        ("half-written", "partial: parts 0-1 of expert 4, parts 2-3 of expert 3"),
+        ("foreign bytes", "unknown content"),
+    ],
+)
+def test_a_commit_whose_moved_in_slot_holds_less_than_the_whole_named_expert_marks_it_dirty(
+    held: str, text: str
+) -> None:
+    # Expert 4 is one this daemon holds (its fingerprint is known): a slot the move filled only
+    # in part (a transfer cut short), or with bytes of no expert, is not expert 4.
+    record, slots, row = _moving_into_slot_3_of_layer_2(4)
+    bytes_now = half_and_half(2, 4, 3) if held == "half-written" else expert_fingerprint(0, 99)
+    slots.put(2, 3, bytes_now)
+    assert record.commit("A", {2: row}, slots.fingerprints)[0] == 1
+    assert record.dirty is not None and record.dirty.layers == (2,)
+    assert f"layer 2: slot 3 holds {text}, not expert 4; restart" in record.dirty.reason
+
+
 def test_committed_content_names_every_zero_filled_slot_whatever_the_daemon_knows() -> None:
     the_map = [[0, 1, 2, 7, 4, 5, 6, 7, 0, 1, 2, 3]]
     known_nothing = ExpertContents()
@@ -141,14 +183,7 @@ def test_committed_content_names_every_zero_filled_slot_whatever_the_daemon_know
 
 
 def test_a_commit_whose_new_expert_arrived_whole_is_learned_not_marked(tmp_path) -> None:
-    initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
-    slots = Slots(initial, 0, LOCAL)
-    record = LayoutRecord.in_memory(SMALL, initial, content=slots.fingerprints())
-    record.attach("A")
-    record.begin("A", 0, [2])
-    row = list(initial[2])
-    row[3] = 7
-    slots.fill(2, row)
+    record, slots, row = _moving_into_slot_3_of_layer_2(7)
     record.commit("A", {2: row}, slots.fingerprints)
     assert record.dirty is None
     assert record.known.fingerprint_of(2, 7) == expert_fingerprint(2, 7)
@@ -198,18 +233,26 @@ def test_a_fetch_without_the_field_before_any_move_is_served_as_non_following() 
 # --- the content check covers every layer no pending move is changing ---------------------------
 
 
-def test_the_content_check_marks_a_layer_no_pending_move_changes_while_a_move_is_pending(
-    tmp_path,
-) -> None:
-    initial = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
-    slots = Slots(initial, 0, SMALL.num_physical_slots)
+@contextlib.contextmanager
+def _moving_layer_1(tmp_path: Path) -> Iterator[tuple[Ledger, LayoutRecord, Slots]]:
+    """A ledger whose daemon records the content of every slot, engine A moving layer 1."""
+    slots = Slots(INITIAL, 0, SMALL.num_physical_slots)
     ledger = open_ledger(tmp_path / "l.sqlite")
     try:
         record = ledger.start_incarnation(
-            SMALL, initial, config_fingerprint="t", content=slots.fingerprints()
+            SMALL, INITIAL, config_fingerprint="t", content=slots.fingerprints()
         )
         record.attach("A")
         record.begin("A", 0, [1])
+        yield ledger, record, slots
+    finally:
+        ledger.close()
+
+
+def test_the_content_check_marks_a_layer_no_pending_move_changes_while_a_move_is_pending(
+    tmp_path: Path,
+) -> None:
+    with _moving_layer_1(tmp_path) as (ledger, record, slots):
         slots.move(1, 0, 3)  # the pending move is under way in layer 1: not a finding
         slots.move(4, 7, 2)  # someone else moved expert 2 into slot 7 of layer 4
         view = record.content_check(slots.fingerprints)
@@ -220,8 +263,25 @@ def test_the_content_check_marks_a_layer_no_pending_move_changes_while_a_move_is
         assert "layer 1" not in view.dirty_reason
         assert view.dirty_move is None
         _verified(record, ledger.path)
-    finally:
-        ledger.close()
+
+
+def test_the_commit_of_a_move_pending_when_the_content_check_marked_the_daemon_is_refused(
+    tmp_path: Path,
+) -> None:
+    # The layout is unknown once the content check marks the daemon: the mover's commit must not
+    # record a new version (an ok would tell the engine its move is known).
+    with _moving_layer_1(tmp_path) as (ledger, record, slots):
+        row = list(INITIAL[1])
+        row[0], row[3] = row[3], row[0]
+        slots.fill(1, row)
+        slots.move(4, 7, 2)  # meanwhile someone else moved expert 2 into slot 7 of layer 4
+        assert record.content_check(slots.fingerprints).dirty
+        before = table_dump(ledger.path)
+        with pytest.raises(errors.LayoutDirty, match="layer 4 slot 7"):
+            record.commit("A", {1: row}, slots.fingerprints)
+        assert refusals_added(ledger.path, before) == ["commit_refused"]
+        assert (record.version, record.dirty is not None) == (0, True)
+        _verified(record, ledger.path)
 
 
 def test_the_content_check_marks_a_moved_layer_with_no_move_pending() -> None:

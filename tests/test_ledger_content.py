@@ -397,7 +397,7 @@ def _readme_content_queries() -> dict[str, str]:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
     queries = {}
     for block in re.findall(r"```sql\n(.*?)```", text, flags=re.S):
         first, _, rest = block.partition("\n")
@@ -691,4 +691,4 @@ def test_status_shows_the_tied_experts_the_load_recorded(tmp_path, capsys):
     _, out, _ = run_cli(capsys, "status", str(ledger.path))
     assert "tied experts:" in out and "layer 3: 4/5 (the same bytes" in out, out
     _, out, _ = run_cli(capsys, "status", str(ledger.path), "--json")
-    assert json.loads(out)["tied_experts"] == {"3": [[4, 5]]}
+    assert json.loads(out)["ledgers"][0]["tied_experts"] == {"3": [[4, 5]]}

@@ -152,7 +152,7 @@ def test_identical_refusals_are_one_row_with_a_count_and_status_counts_every_one
     # keep the file from taking them all (~8 MiB without).
     assert grown < 4 * 1024 * 1024, grown
     _code, out, _ = run_cli(capsys, "status", str(ledger.path), "--json")
-    assert json.loads(out)["refusals"] == 1002
+    assert json.loads(out)["ledgers"][0]["refusals"] == 1002
     _, out, _ = run_cli(capsys, "history", str(ledger.path), "--kind", "begin_refused")
     assert " x1000 until " in out.splitlines()[0]
     assert run_cli(capsys, "verify", str(ledger.path))[0] == exit_codes.OK

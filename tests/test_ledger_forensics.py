@@ -1,4 +1,5 @@
-"""The README's forensic cookbook: each query, run as printed, answers its question correctly."""
+"""The runbook's forensic cookbook (docs/operations.md): each query, run as printed, answers its
+question correctly."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ledger_support import SMALL, open_ledger, start
 
 from layout_ledger.core.layout import trivial_map
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "operations.md"  # the cookbook
 
 
 def readme_queries() -> dict[str, str]:

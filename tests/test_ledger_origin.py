@@ -103,7 +103,7 @@ def test_status_shows_the_origin_and_its_json_carries_each_field(tmp_path, capsy
         "config fingerprint:  fp-1\n"
     ) in out
     _, out, _ = run_cli(capsys, "status", str(path), "--json")
-    status = json.loads(out)
+    (status,) = json.loads(out)["ledgers"]
     assert {key: status[key] for key in COLUMNS} == ORIGIN.to_json()
     assert status["config_fingerprint"] == "fp-1"
     assert status["alive"] is False  # ended cleanly by close()
@@ -128,7 +128,7 @@ def test_status_says_running_only_while_the_daemon_runs_and_not_running_after_si
     try:
         ledger = str(daemon.ledger_path)
         _, out, _ = run_cli(capsys, "status", ledger, "--json")
-        status = json.loads(out)
+        (status,) = json.loads(out)["ledgers"]
         assert status["alive"] is True
         assert (status["host"], status["pid"], status["socket_path"]) == (
             socket.gethostname(),
@@ -157,7 +157,10 @@ def test_status_says_running_only_while_the_daemon_runs_and_not_running_after_si
             r"end recorded\)\n",
             out,
         )
-        assert json.loads(run_cli(capsys, "status", ledger, "--json")[1])["alive"] is False
+        assert (
+            json.loads(run_cli(capsys, "status", ledger, "--json")[1])["ledgers"][0]["alive"]
+            is False
+        )
     finally:
         daemon.kill()
 
@@ -166,7 +169,7 @@ def test_status_of_a_cleanly_stopped_daemon_says_how_it_ended(tmp_path, capsys):
     daemon = start_daemon(tmp_path)
     assert daemon.stop() == 0  # SIGTERM: a clean end
     _, out, _ = run_cli(capsys, "status", str(daemon.ledger_path), "--json")
-    status = json.loads(out)
+    (status,) = json.loads(out)["ledgers"]
     assert (status["alive"], status["end_state"]) == (False, "clean")
 
 
@@ -179,7 +182,10 @@ def test_status_probes_the_lock_of_a_daemon_that_recorded_another_host_name(tmp_
         # container on this kernel; the lock is the kernel's, so it is seen
         _, out, _ = run_cli(capsys, "status", str(path))
         assert ", running)\n" in out
-        assert json.loads(run_cli(capsys, "status", str(path), "--json")[1])["alive"] is True
+        assert (
+            json.loads(run_cli(capsys, "status", str(path), "--json")[1])["ledgers"][0]["alive"]
+            is True
+        )
     finally:
         ledger.close()
 
@@ -206,7 +212,10 @@ def test_a_writer_lock_held_by_another_process_than_the_daemon_is_not_the_daemon
             f"not running, no clean end recorded; pid {os.getpid()}, not its daemon (pid 4242), "
             "holds the writer lock)\n"
         ) in out
-        assert json.loads(run_cli(capsys, "status", str(path), "--json")[1])["alive"] is False
+        assert (
+            json.loads(run_cli(capsys, "status", str(path), "--json")[1])["ledgers"][0]["alive"]
+            is False
+        )
     finally:
         prune.release()
 
@@ -224,4 +233,4 @@ def test_status_of_a_ledger_on_read_only_media_probes_its_lock_too(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     # A read-only mount of a file on this kernel shows its lock (free: no daemon writes it).
-    assert json.loads(result.stdout)["alive"] is False
+    assert json.loads(result.stdout)["ledgers"][0]["alive"] is False

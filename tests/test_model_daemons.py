@@ -141,9 +141,9 @@ def test_the_daemon_knows_the_tied_experts_its_slots_hold(
 
     code, out, _ = run_cli(capsys, "status", started.group.ledger(0), "--json")
     assert code == 0
-    assert json.loads(out)["tied_experts"] == {"1": [[5, 6]]}
+    assert json.loads(out)["ledgers"][0]["tied_experts"] == {"1": [[5, 6]]}
     _, out, _ = run_cli(capsys, "status", started.group.ledger(1), "--json")
-    assert json.loads(out)["tied_experts"] == {"1": [[5, 6]]}
+    assert json.loads(out)["ledgers"][0]["tied_experts"] == {"1": [[5, 6]]}
 
 
 def test_the_two_commands_write_a_checkpoint_and_serve_it_until_sigterm(

@@ -44,7 +44,7 @@ ALLOWED = {
     },
     "layout_ledger.migrations": {"layout_ledger.core", "layout_ledger.store"},
     "sglang_integration": set(),
-    "sglang_integration.settings": set(),
+    "sglang_integration.settings": {"layout_ledger.store"},
     "sglang_integration.content": {"layout_ledger.core"},
     "sglang_integration.daemon": {
         "layout_ledger",

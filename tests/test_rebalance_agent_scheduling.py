@@ -1,7 +1,7 @@
 """The rebalance agent's thread never preempts the forward path when it wakes: ``SCHED_BATCH``.
 
 A real agent thread (a one-rank group: no collective to make), its policy read from the kernel.
-``scripts/bench_engine.py --agent-policy-ab`` measures what it changes (README "Benchmarks").
+``scripts/bench_engine.py --agent-policy-ab`` measures what it changes (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Every command of docs/operations.md, run against the incidents' ledgers, prints what the page
-shows and exits as it shows.
+shows and exits as it shows; and so does every command of the README's first look, on the
+``healthy`` incident's two ledgers read as the default location of a root daemon.
 
 scripts/runbook_ledgers.py builds the ledgers (a process per daemon, the running ones alive for
 the whole module); each console block's commands run as a shell runs them (the console script,
@@ -12,17 +13,28 @@ line ``...`` stands for any lines.
 from __future__ import annotations
 
 import re
+import shlex
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_ledgers import run_cli
 
-from runbook_ledgers import block_incident, console_blocks, run_command, runbook_ledgers
+from layout_ledger.store import locations
+from runbook_ledgers import (
+    HEALTHY_STATE_HOME,
+    block_incident,
+    console_blocks,
+    run_command,
+    runbook_ledgers,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNBOOK = ROOT / "docs" / "operations.md"
+README = ROOT / "README.md"
 PAGE_HOST = "vm"
+PAGE_STATE_HOME = locations.SYSTEM_STATE_HOME  # /var/lib: a root daemon's, as the README shows
 
 
 def _blocks() -> list[list[tuple[str, list[str]]]]:
@@ -61,8 +73,11 @@ def _run(command: str, root: Path, incident: str) -> tuple[int, list[str]]:
 def test_the_runbook_has_console_blocks_of_the_incidents():
     commands = [command for block in _blocks() for command, _ in block]
     assert len(commands) >= 15
+    # Commands as an operator types them; the first gives fleet the incident's template as
+    # an operator gives it the daemons' (no PATH: the daemons' ledgers on this host).
+    template = "SGLANG_EXPERT_LAYOUT_LEDGER_TEMPLATE='/tmp/layout-ledger-runbook/"
     assert all(
-        command == "echo $?" or command.startswith(("layout-ledger ", "cp "))
+        command == "echo $?" or command.startswith(("layout-ledger ", "cp ", template))
         for command in commands
     )
 
@@ -86,4 +101,41 @@ def test_each_runbook_command_prints_what_the_page_shows(built, index):
             assert shown == [str(code)], f"exit code after the command before: {code}"
             continue
         code, got = _run(command, built, block_incident(block))
+        assert _matches(shown, got), f"$ {command}\n" + "\n".join(got)
+
+
+# --- the README's first look ----------------------------------------------------------------
+
+
+def _readme_blocks() -> list[list[tuple[str, list[str]]]]:
+    return console_blocks(README.read_text())
+
+
+def test_the_readme_shows_a_first_fleet_and_status_with_their_output():
+    commands = [command for block in _readme_blocks() for command, _ in block]
+    assert "layout-ledger fleet" in commands
+    assert any(command.startswith("layout-ledger status") for command in commands)
+
+
+@pytest.mark.parametrize("index", range(len(_readme_blocks())))
+def test_each_readme_command_prints_what_the_readme_shows(built, index, monkeypatch, capsys):
+    """In this process, as root reads the default location (/var/lib, here the healthy
+    incident's state home: the same two ledgers, their daemons running)."""
+    state_home = str(built / HEALTHY_STATE_HOME)
+    monkeypatch.setattr(locations, "SYSTEM_STATE_HOME", state_home)
+    monkeypatch.setattr(locations, "effective_uid", lambda: 0)
+    monkeypatch.delenv(locations.TEMPLATE_ENV, raising=False)
+    code = 0
+    for command, shown in _readme_blocks()[index]:
+        if command == "echo $?":
+            assert shown == [str(code)], f"exit code after the command before: {code}"
+            continue
+        argv = shlex.split(command.replace(PAGE_STATE_HOME, state_home))
+        assert argv[0] == "layout-ledger", command
+        code, out, err = run_cli(capsys, *argv[1:])
+        printed = (err + out).replace(state_home, PAGE_STATE_HOME)
+        got = printed.rstrip("\n").split("\n")
+        host = socket.gethostname()
+        if host != PAGE_HOST:
+            got = [re.sub(rf"\b{re.escape(host)}\b", PAGE_HOST, line) for line in got]
         assert _matches(shown, got), f"$ {command}\n" + "\n".join(got)

@@ -192,6 +192,24 @@ def test_a_standby_that_holds_its_lease_makes_the_movers_begins_busy(
             mover.exit()
 
 
+def test_a_standby_holds_its_lease_through_a_whole_batch_also_the_first_after_an_idle_spell(
+    two_ranks: EngineRanks, model_dir: Path, tmp_path: Path
+) -> None:
+    # The idle time counts from the last batch's end, so the first batch after an idle spell
+    # starts "idle": an idle release firing in it (its check ran just before the batch began)
+    # must leave the lease alone, or the active engine moves experts under the running batch.
+    steps = [["forward"], ["wait_released", 20], ["forward", 1.2]]
+    with daemons(tmp_path, ["ledger"] * 2) as started:
+        reports = two_ranks.run(standby(started, model_dir, then=steps, idle=0.3))
+        ok(reports)
+        for report in reports:
+            assert report["raised"] is None, report
+            batch = report["forwards"][-1]
+            assert batch["leased"], "the standby's lease was released while its batch ran"
+        for daemon in started:  # leased at start, released when idle, leased for the batch
+            assert kinds(daemon, "lease", "release")[:3] == ["lease", "release", "lease"]
+
+
 def test_a_lease_busy_on_one_rank_holds_every_rank_and_the_granted_ones_release(
     two_ranks: EngineRanks, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -1,7 +1,8 @@
 """Roles and leases (docs/protocol.md "Roles and leases"): a standby attached without a lease
 does not count for the one-mover rule; a lease is busy while a move is pending and refused at a
-dirty daemon; a lease holder makes begins busy; a standby's EOF never dirties; the role and the
-leases survive a replay and are checked by ``verify``; status, fleet and metrics show them."""
+dirty daemon; a lease holder makes begins busy; a standby keeps its lease while its own move is
+pending; a standby's EOF never dirties; the role and the leases survive a replay and are checked
+by ``verify``; status, fleet and metrics show them."""
 
 from __future__ import annotations
 
@@ -114,6 +115,19 @@ def test_a_standbys_eof_never_dirties_the_daemon(ledger, record):
     assert _kinds(ledger.path).count("dirty") == 0
 
 
+def test_a_standby_keeps_its_lease_until_its_own_pending_move_commits_or_aborts(ledger, record):
+    record.lease("C")
+    record.detach("A")
+    record.begin("C", 0, [1])  # the lease is what let this move begin
+    before = table_dump(ledger.path)
+    with pytest.raises(errors.MoveAlreadyPending, match="before releasing its lease"):
+        record.release("C")
+    assert refusals_added(ledger.path, before) == ["release_refused"]
+    assert record.state().leases == ("C",)
+    record.abort("C")
+    assert record.release("C") is True and record.state().leases == ()
+
+
 def test_release_of_a_lease_never_taken_is_ok_and_changes_nothing(ledger, record):
     before = table_dump(ledger.path)
     assert record.release("C") is False
@@ -179,8 +193,7 @@ def test_history_knows_the_new_kinds(tmp_path, capsys):
     path = build("standby", tmp_path / "l.sqlite")
     code, out, _ = run_cli(capsys, "history", str(path), "--kind", "lease", "--json")
     assert code == exit_codes.OK
-    rows = json.loads(out)
-    events = rows["events"] if isinstance(rows, dict) else rows
+    events = json.loads(out)["events"]
     assert [event["kind"] for event in events] == ["lease", "lease"]
     code, _, _ = run_cli(capsys, "history", str(path), "--kind", "release")
     assert code == exit_codes.OK
@@ -191,7 +204,7 @@ def test_status_shows_each_engines_role_and_lease(tmp_path, capsys):
     _, out, _ = run_cli(capsys, "status", str(path))
     assert "roles:               engine-a active (lease), engine-c standby (lease)\n" in out
     _code, out, _ = run_cli(capsys, "status", str(path), "--json")
-    report = json.loads(out)
+    (report,) = json.loads(out)["ledgers"]
     assert (report["standbys"], report["leases"]) == (["engine-c"], ["engine-c"])
 
 

@@ -85,6 +85,9 @@ def _run(args: argparse.Namespace) -> int:
     unusable_errors = (LedgerFileError, LedgerStorageError, SchemaOutdated, SchemaTooNew)
 
     try:
+        from layout_ledger.cli.default_ledgers import fill_default_ledgers
+
+        fill_default_ledgers(args)
         return _verb(args.command)(args)
     except unusable_errors as exc:
         print_error(args.command, str(exc))

@@ -2,7 +2,8 @@
 
 ``export``, ``plot``, ``metrics -o`` and ``retire`` write through ``write_atomically``: a
 temporary file in the output's directory, synced, renamed into place, then the directory
-synced.
+synced. ``export`` never replaces a file unless told to (``replace=False``: the temporary file
+is linked into place, which fails instead of replacing a file that appeared meanwhile).
 """
 
 from __future__ import annotations
@@ -23,15 +24,23 @@ def write_atomically(
     *,
     temporary_suffix: str | None = None,
     mode: int = 0o644,
+    replace: bool = True,
+    refusal: str = "",
 ) -> bool:
     """Write ``data`` to ``output`` through a temporary file in its directory (same suffix, or
     ``temporary_suffix``), synced to disk, then a rename, then a sync of the directory.
     ``accept`` sees the complete temporary file first: when it returns False or raises, the
     temporary file is removed and ``output`` stays as it was. Returns whether ``output`` was
-    written."""
+    written. With ``replace`` False an existing ``output`` is an error (``refusal`` says what to
+    do instead), never replaced."""
+    if not replace:
+        _refuse_existing(output, refusal)
     directory = output.parent
     if not directory.is_dir():
-        raise LedgerError(f"cannot write {output}: the directory {directory} does not exist")
+        raise LedgerError(
+            f"cannot write {output}: the directory {directory} does not exist; create it, or "
+            f"name a file in an existing directory"
+        )
     try:
         suffix = output.suffix if temporary_suffix is None else temporary_suffix
         fd, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=suffix, dir=directory)
@@ -47,7 +56,16 @@ def write_atomically(
         if accept is not None and not accept(temporary):
             temporary.unlink()
             return False
-        os.replace(temporary, output)
+        if replace:
+            os.replace(temporary, output)
+        else:
+            try:
+                os.link(temporary, output)  # fails, instead of replacing, if output appeared
+            except FileExistsError as exc:
+                raise LedgerError(
+                    f"{output} appeared while it was written; nothing was replaced: {refusal}"
+                ) from exc
+            temporary.unlink()
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             temporary.unlink()
@@ -56,6 +74,11 @@ def write_atomically(
         raise
     _sync_directory(output)
     return True
+
+
+def _refuse_existing(output: Path, refusal: str) -> None:
+    if os.path.lexists(output):
+        raise LedgerError(f"{output} already exists; nothing was written: {refusal}")
 
 
 def _sync_directory(output: Path) -> None:

@@ -17,10 +17,11 @@ FAILED = 1
 # Bad arguments, or a file that is no usable ledger: missing, unreadable, not SQLite, not a
 # ledger, a schema newer than this code (or older, for read commands: run `upgrade`), I/O errors.
 UNUSABLE = 2
-# status, fleet: the layout is unknown (an engine left mid-move); restart the daemon.
+# status, fleet: the layout is unknown (an engine left mid-move); restart the daemon. export:
+# refused for that reason.
 DIRTY = 3
 # status: a move is pending, or the daemon refused requests recently (status.REFUSALS_WINDOW);
-# fleet: a move is pending.
+# fleet: a move is pending; export: refused for that reason.
 PENDING_OR_REFUSALS = 4
 # verify found an inconsistency; export --check found sglang's metadata differs from the ledger;
 # prune refused a ledger that fails verify (it never deletes evidence); fleet: the ledgers of

@@ -41,7 +41,10 @@ def version_digest(conn: Connection, incarnation_id: int, version: int) -> str:
         {"i": incarnation_id, "v": version},
     ).scalar()
     if digest is None:
-        raise LedgerError(f"incarnation {incarnation_id} has no version {version}")
+        raise LedgerError(
+            f"incarnation {incarnation_id} has no version {version}; `layout-ledger status` "
+            f"shows the versions it holds (history held), `--incarnation N` picks another"
+        )
     return str(digest)
 
 

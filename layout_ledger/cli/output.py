@@ -40,6 +40,11 @@ def emit(
         sys.stdout.write("".join(printable(line) + "\n" for line in lines))
 
 
+def print_note(command: str, message: str) -> None:
+    """One line on stderr about how the command was read (stdout stays the result alone)."""
+    sys.stderr.write(f"{PROG} {command}: {printable(' '.join(message.split()))}\n")
+
+
 def print_warning(command: str, message: str) -> None:
     """One warning line on stderr (the command goes on), as ``print_error`` writes errors."""
     sys.stderr.write(f"{PROG} {command}: warning: {printable(' '.join(message.split()))}\n")

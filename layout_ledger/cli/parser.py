@@ -154,39 +154,47 @@ def _label(value: str) -> tuple[str, str]:
 # --- options several verbs share (each defined once) ----------------------------------------
 
 
+# What no PATH means, for every command that takes ledgers (cli.default_ledgers).
+NO_PATH = (
+    "none: the daemons' ledgers on this host ($SGLANG_EXPERT_LAYOUT_LEDGER_TEMPLATE, else "
+    "/var/lib/sglang/expert_layouts/ as root, $XDG_STATE_HOME/sglang/expert_layouts/ for "
+    "another user)"
+)
+_MANY = (
+    "a ledger file, a directory (its ledgers), or the daemons' ledger template with "
+    "{device_uuid} (the ledgers it matches)"
+)
+
+
 def _ledger(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("ledger", metavar="LEDGER", help="path of the ledger file")
+    parser.add_argument(
+        "ledger",
+        nargs="?",
+        metavar="LEDGER",
+        help=f"path of the ledger file ({NO_PATH}, which must be one)",
+    )
 
 
 def _ledgers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "ledger",
-        nargs="+",
+        nargs="*",
         metavar="LEDGER",
-        help="a ledger file, a directory (its ledgers), or the daemons' ledger template with "
-        "{device_uuid} (the ledgers it matches); many ledgers: one report each",
+        help=f"{_MANY}; many ledgers: one report each ({NO_PATH})",
     )
 
 
 def _timeline(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "ledger",
-        nargs="+",
+        nargs="*",
         metavar="LEDGER",
-        help="a ledger file, a directory (its ledgers), or the daemons' ledger template with "
-        "{device_uuid} (the ledgers it matches); many ledgers: one timeline, each line naming "
-        "its rank",
+        help=f"{_MANY}; many ledgers: one timeline, each line naming its rank ({NO_PATH})",
     )
 
 
 def _paths(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "paths",
-        nargs="+",
-        metavar="PATH",
-        help="a ledger file, a directory (its ledgers), or the daemons' ledger template with "
-        "{device_uuid} (the ledgers it matches)",
-    )
+    parser.add_argument("paths", nargs="*", metavar="PATH", help=f"{_MANY} ({NO_PATH})")
 
 
 def _add_json(parser: argparse._ActionsContainer) -> None:
@@ -302,8 +310,8 @@ def _history_options(parser: argparse.ArgumentParser) -> None:
         "--since",
         type=_timestamp,
         metavar="TIME",
-        help="events at or after TIME: ISO-8601 (UTC when no zone is given) or relative, back "
-        "from now: 1h, 30min, 2d, '1 hour ago'",
+        help="events at or after TIME, in UTC: ISO-8601 (no zone means UTC), HH:MM (today), "
+        "today, yesterday, @UNIXTIME, or a span back from now: 1h, 30min, 2d, '1 hour ago'",
     )
     parser.add_argument(
         "--until", type=_timestamp, metavar="TIME", help="events before TIME (as --since)"
@@ -323,7 +331,8 @@ def _history_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="after the matching events (the last 10 unless --last, --since or --after-event "
         "says otherwise), print each new one as the daemon commits it, until interrupted "
-        "(Ctrl-C: exit 0); text, --nl or --csv",
+        "(Ctrl-C: exit 0); text, --nl or --csv; --json: one JSON object a line, as --nl "
+        "(journalctl -f -o json's form)",
     )
 
 
@@ -337,9 +346,36 @@ def _show_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _diff_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("from_version", type=_non_negative, metavar="V1", help="the version before")
-    parser.add_argument("to_version", type=_non_negative, metavar="V2", help="the version after")
+    # [LEDGER] V1 V2 as one list, sorted out by _diff_operands: argparse cannot match an
+    # optional positional before two required ones once options come between them.
+    parser.add_argument(
+        "operands",
+        nargs="*",
+        metavar="[LEDGER] V1 V2",
+        help=f"the ledger file ({NO_PATH}, which must be one), the version before and the "
+        "version after",
+    )
     parser.add_argument("--slots", action="store_true", help="also list every changed slot")
+
+
+def _diff_operands(
+    verb: argparse.ArgumentParser, args: argparse.Namespace, more: list[str]
+) -> None:
+    """``diff``'s ``[LEDGER] V1 V2`` (with the words argparse left over after its options)."""
+    words = [*args.operands, *more]
+    if len(words) == 2 and not words[0].isdigit():
+        verb.error("the following arguments are required: V2")
+    if len(words) not in (2, 3):
+        verb.error("expected [LEDGER] V1 V2: a ledger (or none), the version before and after")
+    versions = []
+    for name, word in zip(("V1", "V2"), words[-2:], strict=True):
+        try:
+            versions.append(_non_negative(word))
+        except argparse.ArgumentTypeError as exc:
+            verb.error(f"argument {name}: {exc}")
+    args.ledger = words[0] if len(words) == 3 else None
+    args.from_version, args.to_version = versions
+    del args.operands
 
 
 def _export_options(parser: argparse.ArgumentParser) -> None:
@@ -353,6 +389,12 @@ def _export_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model-path", metavar="DIR", help="the model directory (config.json) for --check"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="export even a dirty ledger's or a pending move's layout (no engine should start "
+        "from it), and replace FILE when it exists",
     )
 
 
@@ -441,10 +483,10 @@ def _metrics_options(parser: argparse.ArgumentParser) -> None:
 def _cordon_targets(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "targets",
-        nargs="+",
+        nargs="*",
         metavar="SOCKET|PATH",
         help="a daemon's control socket, or a ledger file, a directory of ledgers or the daemons' "
-        "ledger template with {device_uuid} (the sockets their daemons recorded)",
+        f"ledger template with {{device_uuid}} (the sockets their daemons recorded) ({NO_PATH})",
     )
 
 
@@ -505,7 +547,7 @@ VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
     "status": (("ledgers", "json", "incarnation"), None),
     "history": (("timeline", "rows", "incarnations", "layers"), _history_options),
     "show": (("ledger", "json", "incarnation", "version", "layers", "ep_size"), _show_options),
-    "diff": (("ledger", "rows", "incarnation", "layers"), _diff_options),
+    "diff": (("rows", "incarnation", "layers"), _diff_options),
     "export": (("ledger", "json", "incarnation", "version", "ep_size"), _export_options),
     "verify": (("ledger", "json"), None),
     "plot": (("ledger", "json", "incarnation", "version", "ep_size"), _plot_options),
@@ -526,14 +568,15 @@ VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
 _BAD = "bad arguments, or no usable ledger file"
 VERB_EXAMPLES: dict[str, tuple[str, ...]] = {
     "status": (
-        "layout-ledger status LEDGER",
-        "layout-ledger status '/var/lib/sglang/expert_layout_{device_uuid}.sqlite' --json",
+        "layout-ledger status",
+        "layout-ledger status LEDGER --json",
+        "layout-ledger status '/var/lib/sglang/expert_layouts/expert_layout_{device_uuid}.sqlite'",
     ),
     "history": (
+        "layout-ledger history --kind dirty --since today",
         "layout-ledger history LEDGER --layers 17 --kind commit,dirty",
         "layout-ledger history LEDGER --since '1 hour ago' --follow",
         "layout-ledger history LEDGER --after-event 4182 --nl",
-        "layout-ledger history '/var/lib/sglang/expert_layout_{device_uuid}.sqlite' --kind dirty",
     ),
     "show": ("layout-ledger show LEDGER --version 12 --ep-size 2",),
     "diff": ("layout-ledger diff LEDGER 3 12", "layout-ledger diff LEDGER 3 12 --slots --csv"),
@@ -552,17 +595,18 @@ VERB_EXAMPLES: dict[str, tuple[str, ...]] = {
     ),
     "upgrade": ("layout-ledger upgrade LEDGER",),
     "fleet": (
-        "layout-ledger fleet '/var/lib/sglang/expert_layout_{device_uuid}.sqlite'",
-        "layout-ledger fleet DIR --wide",
-        "layout-ledger fleet DIR --ready-to-stop engine-a && stop-the-engine",
+        "layout-ledger fleet",
+        "layout-ledger fleet --wide",
+        "layout-ledger fleet '/var/lib/sglang/expert_layouts/expert_layout_{device_uuid}.sqlite'",
+        "layout-ledger fleet --ready-to-stop engine-a && stop-the-engine",
     ),
     "metrics": (
-        "layout-ledger metrics DIR -o /var/lib/node_exporter/textfile/expert_layout.prom",
-        "layout-ledger metrics DIR --serve :9400 --label engine=ds-v3",
+        "layout-ledger metrics -o /var/lib/node_exporter/textfile/expert_layout.prom",
+        "layout-ledger metrics --serve :9400 --label engine=ds-v3",
     ),
-    "backup": ("layout-ledger backup LEDGER /backups/",),
-    "cordon": ('layout-ledger cordon DIR --reason "engine upgrade"',),
-    "uncordon": ("layout-ledger uncordon DIR",),
+    "backup": ("layout-ledger backup /backups/today/", "layout-ledger backup LEDGER /backups/"),
+    "cordon": ('layout-ledger cordon --reason "engine upgrade"',),
+    "uncordon": ("layout-ledger uncordon",),
     "retire": ('layout-ledger retire LEDGER --reason "GPU 3 replaced"',),
     "unretire": ("layout-ledger unretire LEDGER",),
 }
@@ -587,8 +631,14 @@ VERB_EXIT_CODES: dict[str, tuple[tuple[int, str], ...]] = {
     "diff": ((0, "ok"), (1, "a version not held"), (2, _BAD)),
     "export": (
         (0, "written"),
-        (1, "a version not held, a bad --ep-size, the file cannot be written"),
+        (
+            1,
+            "a version not held, a bad --ep-size, FILE exists (without --force) or cannot be "
+            "written",
+        ),
         (2, _BAD),
+        (3, "refused: the incarnation is dirty (without --force)"),
+        (4, "refused: a move is pending (without --force)"),
         (5, "--check: sglang's map differs from the ledger's (nothing written)"),
     ),
     "verify": ((0, "no inconsistency"), (2, _BAD), (5, "an inconsistency (the first is named)")),
@@ -653,9 +703,10 @@ def verb_epilog(verb: str) -> str:
 
 EPILOG = (
     "exit codes: 0 ok; 1 the command could not do what was asked; 2 bad arguments or no usable "
-    "ledger file; 3 (status, fleet) dirty; 4 (status) move pending or recent refusals, (fleet) a "
-    "move pending; 5 verify or export --check found an inconsistency, prune refused a ledger "
-    "that fails verify, or (fleet) the ledgers disagree; 6 (status, fleet, cordon) the daemon "
+    "ledger file; 3 (status, fleet) dirty, (export) refused: dirty; 4 (status) move pending or "
+    "recent refusals, (fleet) a move pending, (export) refused: a move pending; 5 verify or "
+    "export --check found an inconsistency, prune refused a ledger that fails verify, or "
+    "(fleet) the ledgers disagree; 6 (status, fleet, cordon) the daemon "
     "does not run; 7 (fleet --ready-to-stop) not ready; 130 interrupted"
 )
 
@@ -710,6 +761,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     verb = _verb_parser(parser, getattr(args, "command", None))
+    if args.command == "diff":
+        words = [extra for extra in extras if not extra.startswith("-")]
+        extras = [extra for extra in extras if extra.startswith("-")]
+        _diff_operands(verb, args, words)
     if extras:
         verb.error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command == "export" and args.check and not args.model_path:
@@ -723,7 +778,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
             verb.error(f"argument --label: {twice[0]!r} given twice; give each label once")
     if args.command == "history" and args.follow:
         for given, name in (
-            (args.json, "--json"),
             (args.reverse, "--reverse"),
             (args.until, "--until"),
         ):

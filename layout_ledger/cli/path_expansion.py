@@ -35,9 +35,9 @@ def expand_ledger_paths(specs: Sequence[str | os.PathLike[str]]) -> list[Path]:
 
 
 def names_many(specs: Sequence[str | os.PathLike[str]]) -> bool:
-    """Whether ``specs`` ask for the many-ledger form of a command's output: more than one
-    PATH, or a directory or a template (which may match any number of files, one included).
-    Decided by the command line alone, so a script gets one shape whatever matched."""
+    """Whether ``specs`` ask for the many-ledger form of a command's human output: more than
+    one PATH, or a directory or a template (which may match any number of files, one included).
+    Machine output (``--json``) has one shape either way: one ledger is a list of one."""
     if len(specs) != 1:
         return True
     spec = os.fspath(specs[0])
@@ -49,7 +49,10 @@ def _expand_one(spec: str) -> list[Path]:
         pattern = glob.escape(spec).replace(glob.escape(PLACEHOLDER), "*")
         matches = [Path(name) for name in sorted(glob.glob(pattern)) if _is_ledger_file(name)]
         if not matches:
-            raise LedgerFileError(f"no ledger file matches the template {spec}")
+            raise LedgerFileError(
+                f"no ledger file matches the template {spec}; give the template the daemons "
+                f"were given (--expert-layout-ledger), or no PATH for the default location"
+            )
         return matches
     path = Path(spec)
     if not path.is_dir():
@@ -58,7 +61,7 @@ def _expand_one(spec: str) -> list[Path]:
     if not ledgers:
         raise LedgerFileError(
             f"{spec} is not a regular file, and the directory holds no ledger (no SQLite file "
-            f"in it)"
+            f"in it); name a ledger file or the directory the daemons write their ledgers into"
         )
     return ledgers
 

@@ -94,7 +94,10 @@ def check_inputs(model_path: str | Path, geometry: Geometry, ep_size: int) -> No
     """What the check needs besides the file: a model directory with a ``config.json``, and an
     EP size that divides the slots (``export --check`` asks this before writing anything)."""
     if not (Path(model_path) / "config.json").is_file():
-        raise LedgerError(f"--model-path {model_path} has no config.json")
+        raise LedgerError(
+            f"--model-path {model_path} has no config.json; pass the model's directory, the one "
+            f"that holds its config.json"
+        )
     check_ep_size(ep_size, geometry)
 
 

@@ -20,7 +20,14 @@ class LedgerFileError(LedgerError):
 
 
 class LedgerLocked(LedgerError):
-    """Another process already owns this ledger for writing."""
+    """Another process already owns this ledger for writing.
+
+    ``ledger_path`` and ``holder`` (what the holder wrote into its ``.lock`` note) let each
+    caller say what its own reader can do: a second daemon, or a person at the CLI."""
+
+    def __init__(self, message: str, ledger_path: str = "", holder: str = "") -> None:
+        super().__init__(message)
+        self.ledger_path, self.holder = ledger_path, holder
 
 
 class SchemaTooNew(LedgerError):

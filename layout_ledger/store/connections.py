@@ -25,7 +25,7 @@ from sqlalchemy.pool import StaticPool
 
 from layout_ledger.core.errors import LedgerFileError, LedgerLocked
 from layout_ledger.core.state import utc_now
-from layout_ledger.store import files
+from layout_ledger.store import files, locations
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,9 @@ class WriterLock:
             raise LedgerLocked(
                 f"ledger {ledger_path} is owned by another daemon (it holds the ledger's writer "
                 f"lock; {self.path}: {holder}); stop that daemon, or give this one its own "
-                f"ledger path"
+                f"ledger path",
+                ledger_path=str(ledger_path),
+                holder=holder,
             ) from exc
         except BaseException:
             self.release()
@@ -209,7 +211,7 @@ class Writer:
     def __init__(self, path: Path, *, create: bool) -> None:
         self.path = path
         if not create and not path.exists():
-            raise LedgerFileError(f"ledger {path} does not exist")
+            raise LedgerFileError(f"ledger {path} does not exist; {locations.FIND_LEDGERS}")
         if not path.parent.is_dir():
             raise LedgerFileError(
                 f"cannot open ledger {path}: its directory {path.parent} does not exist; "
@@ -290,7 +292,7 @@ def open_reader_engine(path: Path) -> Engine:
     no WAL content is present, else (read-only media) a private in-memory copy of the file and
     its WAL. A symbolic link is read as the file it names, its companions beside that file."""
     if not path.exists():
-        raise LedgerFileError(f"ledger {path} does not exist")
+        raise LedgerFileError(f"ledger {path} does not exist; {locations.FIND_LEDGERS}")
     if not path.is_file():
         raise LedgerFileError(f"ledger {path} is not a regular file")
     if not os.access(path, os.R_OK):

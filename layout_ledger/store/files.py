@@ -125,7 +125,19 @@ def tighten_modes(path: Path) -> None:
 
 
 def ensure_private_directory(directory: Path) -> None:
-    """A directory only this user may enter: created 0700, else it must be ours and 0700."""
+    """A directory only this user may enter: created 0700 (with any missing parent, 0700 too,
+    as XDG asks of a state home it creates), else it must be ours and 0700."""
+    missing = [parent for parent in directory.parents if not os.path.lexists(parent)]
+    for parent in reversed(missing):
+        try:
+            os.mkdir(parent, DIRECTORY_MODE)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise LedgerFileError(
+                f"cannot create the ledger directory {directory} ({parent}: {exc.strerror}); "
+                f"create it, or pass a ledger path in a directory of your own"
+            ) from exc
     try:
         os.mkdir(directory, DIRECTORY_MODE)
         os.chmod(directory, DIRECTORY_MODE)  # whatever the umask

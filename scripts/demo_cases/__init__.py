@@ -23,7 +23,7 @@ whole ``run``:
 - Case 3: A is SIGKILLed between two chunks (B adopts the committed version) and, on fresh
   daemons, inside a move after begin (B refuses to start with the dirty reason).
 - Forensics: ``layout-ledger status``, ``history`` and ``verify`` on the dirty daemon's ledger,
-  and the README's ``sqlite3`` query naming the engine that left it dirty.
+  and the runbook's ``sqlite3`` query naming the engine that left it dirty.
 - Case 4: repair instead of restart (``case4``).
 - Case 5: a warm standby C (``SGLANG_EXPERT_LAYOUT_ROLE=standby``) beside a rebalancing A: A
   keeps moving, C takes over after A's SIGKILL with its first forward pass; (b) a warmup batch

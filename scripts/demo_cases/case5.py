@@ -155,7 +155,7 @@ def _seen_by_the_operator(result: CaseResult, ledger: str, engine_c: str) -> Non
     from demo_cases.forensics import run_layout_ledger
 
     status = run_layout_ledger(["status", ledger, "--json"])
-    report = json.loads(status.output) if status.output.startswith("{") else {}
+    report = json.loads(status.output)["ledgers"][0] if status.output.startswith("{") else {}
     result.check(
         "status (daemon 0's ledger): C's role and lease",
         "standby, lease",

@@ -1,5 +1,5 @@
 """Forensics: ``layout-ledger status``, ``history`` and ``verify`` on the dirty daemon's ledger of
-case 3 (b), and the README's ``sqlite3`` query naming the engine that left it dirty."""
+case 3 (b), and the runbook's ``sqlite3`` query naming the engine that left it dirty."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def run_layout_ledger(args: list[str]) -> CommandOutput:
 
 
 def readme_query(readme: Path, name: str) -> str:
-    """The SQL of the README's forensic cookbook block that starts with ``-- forensic: NAME``."""
+    """The SQL of the cookbook's block (docs/operations.md) that starts ``-- forensic: NAME``."""
     text = readme.read_text()
     for block in re.findall(r"```sql\n(.*?)```", text, flags=re.DOTALL):
         first = block.splitlines()[0].strip()
@@ -63,7 +63,7 @@ def readme_query(readme: Path, name: str) -> str:
 
 
 def run_sql_read_only(ledger: str, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """The rows of ``sql`` on the ledger opened read-only, as the README says to open it."""
+    """The rows of ``sql`` on the ledger opened read-only, as the cookbook says to open it."""
     connection = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
     try:
         cursor = connection.execute(sql)
@@ -76,7 +76,7 @@ def run_sql_read_only(ledger: str, sql: str) -> tuple[list[str], list[tuple[Any,
 def run_forensics(
     ledger: str, readme: Path, case3: CaseResult, history_last: int = 12
 ) -> tuple[CaseResult, list[CommandOutput], tuple[str, list[str], list[tuple[Any, ...]]]]:
-    """``layout-ledger status/history/verify`` and the README's dirty query on one ledger."""
+    """``layout-ledger status/history/verify`` and the cookbook's dirty query on one ledger."""
     result = CaseResult("Forensics: the ledger of case 3 (b)'s rank-0 daemon")
     started = time.monotonic()
     outputs = [
@@ -104,7 +104,7 @@ def run_forensics(
     engine_a = case3.facts.get("engine_a")
     row = dict(zip(columns, rows[0], strict=True)) if rows else {}
     result.check(
-        "README query 'dirty': engine, layers, base version",
+        "runbook query 'dirty': engine, layers, base version",
         f"A, {case3.facts.get('layers')}, {case3.facts.get('base')}",
         (
             f"{'A' if row.get('engine_id') == engine_a else row.get('engine_id')}, "

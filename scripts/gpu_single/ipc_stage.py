@@ -155,7 +155,12 @@ def run_role(
 
 def ledger_states(settings: IpcSettings, started: list[daemons.DaemonHandle]) -> list[Any]:
     paths = [daemon.ledger_path for daemon in started]
-    return [output for _, output in daemons.ledger_cli(settings.python, "status", paths)]
+    found = daemons.ledger_cli(settings.python, "status", paths)
+    # status --json is a list of one per ledger (a package from before that: the report itself).
+    return [
+        output["ledgers"][0] if isinstance(output.get("ledgers"), list) else output
+        for _, output in found
+    ]
 
 
 def run_ipc_stage(settings: IpcSettings) -> list[Stage]:

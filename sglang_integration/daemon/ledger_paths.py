@@ -3,41 +3,26 @@
 The path comes from a template keyed by the device UUID, as sglang's own daemon files are
 (``sglang.srt.weight_cache.protocol.get_socket_path`` fills
 ``SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE`` and refuses a template without ``{device_uuid}``): the
-``--expert-layout-ledger`` setting (``settings.LEDGER_TEMPLATE``), else a private directory beside
-the daemon's socket, which the daemon makes ready before it opens the file.
+``--expert-layout-ledger`` setting (``settings.LEDGER_TEMPLATE``), else the default location
+(``layout_ledger.store.locations``: /var/lib for root, else the XDG state home), whose private
+directory the daemon makes ready before it opens the file.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from sglang_integration.settings import (
-    DEFAULT_LEDGER_BESIDE_SOCKET,
-    LEDGER_TEMPLATE,
-    check_ledger_template,
-)
-
-
-def socket_template() -> str:
-    """sglang's daemon socket template, read the way sglang reads it (its env field)."""
-    from sglang.srt.environ import envs
-
-    return str(envs.SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE.get())
-
-
-def default_ledger_template(socket_path_template: str) -> str:
-    """The ledger template beside a socket template (its private subdirectory)."""
-    return os.path.join(os.path.dirname(socket_path_template), DEFAULT_LEDGER_BESIDE_SOCKET)
+from layout_ledger.store import locations
+from sglang_integration.settings import LEDGER_TEMPLATE, check_ledger_template
 
 
 def ledger_template() -> str:
-    """The template in force: the setting (the launcher's flag or its env var), or beside the
-    socket."""
+    """The template in force: the setting (the launcher's flag or its env var), or the default
+    location of this process's user."""
     configured = LEDGER_TEMPLATE.configured()
     if configured is not None:
         return configured
-    return default_ledger_template(socket_template())
+    return locations.default_ledger_template()
 
 
 def ledger_path(device_uuid: str, template: str | None = None) -> str:

@@ -11,8 +11,8 @@ forward pass each chunk of a rebalance takes.
 ``MarginPolicy`` proposes, from the passes the last ``WINDOW`` agreements took on this rank, the
 largest of them plus ``SLACK`` (at least ``FLOOR``, at most ``CEILING``): an agreement slower than
 any recent one still finds ``SLACK`` passes of room before it would hold a pass, and after a slow
-spell the window forgets it again. Measured with ``scripts/bench_engine.py``: ``README.md``
-("Benchmarks").
+spell the window forgets it again. Measured with ``scripts/bench_engine.py``:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``torch.distributed.all_gather_object`` runs two collectives: the pickled sizes, then the bytes
 padded to the largest. A chunk's begin and commit replies are small (a trimmed ``Reply`` pickles
 to a few hundred bytes), so each rank sends a fixed ``SLOT_BYTES`` buffer instead: a 4-byte
-length and the pickle, one collective (README "Benchmarks" has what each costs).
+length and the pickle, one collective (docs/benchmarks.md has what each costs).
 
 Every rank sees every length, so a value too large for its slot on any rank makes all of them
 take the same fallback (``all_gather_object``) and no rank is left in a collective alone. The

@@ -6,7 +6,9 @@ around a stand-in for the original that does what a real forward does across ran
 barrier on the world's gloo group, as the model's collectives would) and then records what this
 rank routes with at that moment and whether its daemon lists its lease.
 
-Steps: ``["forward"]``, ``["sleep", seconds]``, ``["wait_released", timeout]`` (until this
+Steps: ``["forward"]`` (``["forward", seconds]``: a batch that lasts ``seconds``, in whose
+middle the idle release fires, as the idle thread's would when its check ran just before the
+batch began), ``["sleep", seconds]``, ``["wait_released", timeout]`` (until this
 rank's idle thread released its lease), ``["forget"]`` (release the lease now and forget the
 agreement, as before a first acquisition), ``["release_now"]`` (the idle release, now).
 """
@@ -28,7 +30,7 @@ def run_steps(steps: list[list[Any]], rank: int, report: dict[str, Any]) -> None
         kind = step[0]
         if kind == "forward":
             try:
-                report["forwards"].append(_forward(gate))
+                report["forwards"].append(_forward(gate, float(step[1]) if step[1:] else 0.0))
             except Exception as exc:
                 report["raised"] = f"{type(exc).__name__}: {exc}"
                 break
@@ -100,7 +102,7 @@ def _compare_update(gate: Any, target: list[list[int]], layers: list[int]) -> di
     return {"same": same, "kept": kept}
 
 
-def _forward(gate: Any) -> dict[str, Any]:
+def _forward(gate: Any, lasting: float = 0.0) -> dict[str, Any]:
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
     from sglang_integration.engine import client, standby
@@ -117,6 +119,11 @@ def _forward(gate: Any) -> dict[str, Any]:
         started = time.monotonic()
         dist.barrier(group=get_parallel().world_group.cpu_group)
         seen["barrier_seconds"] = time.monotonic() - started
+        if lasting:
+            time.sleep(lasting / 2)
+            if gate is not None:
+                seen["idle_release_mid_batch"] = gate.release_if_idle()
+            time.sleep(lasting / 2)
         session = gate.session if gate is not None else None
         seen["map"] = map_of(metadata)
         if session is not None:

@@ -39,7 +39,9 @@ from layout_ledger.store.migrate import file_revision, refuse_newer
 def run(args: argparse.Namespace) -> int:
     if not names_many(args.ledger):
         result = backup_ledger(args.ledger[0], args.destination)
-        emit(args, result.to_json(), render_backup(result))
+        # --json has one shape whatever names the ledgers: one copy is a list of one.
+        one = BackupsResult(str(Path(result.output).parent), (result,), ())
+        emit(args, one.to_json(), render_backup(result))
         return exit_codes.OK
     many = backup_ledgers(expand_ledger_paths(args.ledger), args.destination)
     emit(args, many.to_json(), render_backups(many))
@@ -77,7 +79,10 @@ def backup_output(source: Path, destination: str | os.PathLike[str]) -> Path:
             f"{output} already exists; a backup never replaces a file: remove it or name another"
         )
     if not output.parent.is_dir():
-        raise LedgerError(f"cannot write {output}: the directory {output.parent} does not exist")
+        raise LedgerError(
+            f"cannot write {output}: the directory {output.parent} does not exist; create it, "
+            f"or name a file in an existing directory"
+        )
     return output
 
 

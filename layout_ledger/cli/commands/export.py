@@ -1,7 +1,9 @@
 """``layout-ledger export``: write a map as a file that ``--init-expert-location`` accepts.
 
 With ``--check`` the file becomes the output only once sglang itself loaded it and found the
-ledger's map (``cli.sglang_export_check``, imported only then).
+ledger's map (``cli.sglang_export_check``, imported only then). Safe in a script: a dirty ledger
+or one with a move pending is refused (exit 3 or 4, the reason and the runbook's section), and
+an existing file is never replaced (exit 1), unless ``--force``.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from layout_ledger.cli.json_shape import JsonShaped, json_field
 from layout_ledger.cli.output import emit, print_error
 from layout_ledger.cli.pending_moves import pending_text, pending_wire
 from layout_ledger.cli.progress import Progress
+from layout_ledger.cli.runbook import DIRTY, PENDING, see
 from layout_ledger.core.errors import LedgerError, LedgerStorageError
 from layout_ledger.core.layout import Geometry, Map, layout_digest
-from layout_ledger.core.state import PendingMove
+from layout_ledger.core.state import DirtyMark, PendingMove
 from layout_ledger.history.reader import LedgerReader
 from layout_ledger.store.replay import replayed
 
@@ -32,9 +35,14 @@ def run(args: argparse.Namespace) -> int:
         exported, the_map = read_export(
             ledger, args.output, incarnation_id=args.incarnation, version=args.version
         )
+    refused = export_refusal(exported)
+    if refused is not None and not args.force:
+        code, message = refused
+        print_error("export", message)
+        return code
     if args.check:
         return _export_checked(args, exported, the_map)
-    exported = write_export(exported, the_map)
+    exported = write_export(exported, the_map, replace=args.force)
     emit(args, {**exported.to_json(), "check": None}, render_export(exported))
     return exit_codes.OK
 
@@ -64,7 +72,7 @@ def _export_checked(args: argparse.Namespace, exported: ExportReport, the_map: M
         checks.append(check)
         return check.equal
 
-    exported = write_export(exported, the_map, accept)
+    exported = write_export(exported, the_map, accept, replace=args.force)
     (check,) = checks
     lines = render_export(exported)
     lines.append(f"check with sglang: {'ok' if check.equal else 'FAILED'}: {check.detail}")
@@ -90,6 +98,7 @@ class ExportReport(JsonShaped):
     geometry: Geometry = field(metadata=json_field(convert=geometry_json, spread=True))
     dirty: bool
     pending: PendingMove | None = field(metadata=json_field(convert=pending_wire))
+    dirty_reason: str | None = None
     # False until the file is in place, and for good when export --check refused it.
     written: bool = field(default=False, metadata=json_field(omit=True))
 
@@ -122,7 +131,8 @@ def read_export(
         held = held_map(conn, incarnation_id, version)
         i = held.incarnation.incarnation_id
         derived = replayed(conn, held.incarnation)
-        dirty, pending = derived.dirty is not None, derived.pending
+        dirty_mark: DirtyMark | None = derived.dirty
+        pending = derived.pending
     if layout_digest(held.physical_to_logical_map) != held.digest:
         raise LedgerStorageError(
             f"the rows of incarnation {i} version {held.version} do not give its recorded "
@@ -136,18 +146,53 @@ def read_export(
         version=held.version,
         digest=held.digest,
         geometry=held.incarnation.geometry,
-        dirty=dirty,
+        dirty=dirty_mark is not None,
         pending=pending,
+        dirty_reason=None if dirty_mark is None else dirty_mark.reason,
     )
     return report, held.physical_to_logical_map
 
 
+# What export tells the person who would start an engine from a layout no daemon may hold.
+_FORCE = "or pass --force to export it anyway"
+_NO_REPLACE = "export never replaces a file: remove it, name another, or pass --force to replace it"
+
+
+def export_refusal(report: ExportReport) -> tuple[int, str] | None:
+    """Why ``export`` refuses this layout without ``--force`` (exit code, message), or None.
+
+    A dirty incarnation's last committed layout need not be what its daemon's weights hold, and
+    a pending move is changing it: an engine started from either file would route with a layout
+    no daemon may hold. The runbook says to restart the daemons (dirty) or to wait (pending)."""
+    where = f"incarnation {report.incarnation_id} of {report.path}"
+    if report.dirty:
+        return exit_codes.DIRTY, (
+            f"{where} is dirty ({report.dirty_reason}); its last committed layout need not be "
+            f"what the daemon's weights hold, so no engine should start from it: restart the "
+            f"daemons first ({see(DIRTY)}), {_FORCE}"
+        )
+    if report.pending is not None:
+        return exit_codes.PENDING_OR_REFUSALS, (
+            f"{where} has a move pending ({pending_text(report.pending)}), which changes the "
+            f"layout this file would hold: wait for it to commit, then export again "
+            f"({see(PENDING)}), {_FORCE}"
+        )
+    return None
+
+
 def write_export(
-    report: ExportReport, the_map: Map, accept: Callable[[Path], bool] | None = None
+    report: ExportReport,
+    the_map: Map,
+    accept: Callable[[Path], bool] | None = None,
+    *,
+    replace: bool = False,
 ) -> ExportReport:
-    """Write the map as ``report.output`` (``write_atomically``; ``accept`` may refuse it)."""
+    """Write the map as ``report.output`` (``write_atomically``; ``accept`` may refuse it); an
+    existing file is an error unless ``replace``."""
     data = init_expert_location_text(the_map).encode()
-    written = write_atomically(Path(report.output), data, accept)
+    written = write_atomically(
+        Path(report.output), data, accept, replace=replace, refusal=_NO_REPLACE
+    )
     return dataclasses.replace(report, written=written)
 
 

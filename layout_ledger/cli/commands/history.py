@@ -22,7 +22,7 @@ from layout_ledger.cli.event_rows import EVENT_COLUMNS, EVENT_COLUMNS_SQL, Event
 from layout_ledger.cli.json_shape import JsonObject, JsonShaped, json_field
 from layout_ledger.cli.layer_ranges import LayerRanges
 from layout_ledger.cli.output import emit, print_error
-from layout_ledger.cli.path_expansion import expand_ledger_paths, names_many
+from layout_ledger.cli.path_expansion import expand_ledger_paths
 from layout_ledger.cli.row_formats import write_rows
 from layout_ledger.cli.terminal import printable
 from layout_ledger.core import events as ev
@@ -43,7 +43,10 @@ def run(args: argparse.Namespace) -> int:
         after_event=args.after_event,
         reverse=args.reverse,
     )
-    many = names_many(args.ledger)
+    paths = expand_ledger_paths(args.ledger)
+    # Text names each line's rank when there are many ledgers; --json, --nl and --csv have one
+    # shape whatever names the ledgers (one ledger is a timeline of one).
+    many = len(paths) > 1
     if many and wanted.after_event is not None:
         print_error(
             "history",
@@ -51,17 +54,11 @@ def run(args: argparse.Namespace) -> int:
             "poll each ledger with its own cursor",
         )
         return exit_codes.UNUSABLE
-    paths = expand_ledger_paths(args.ledger) if many else [Path(args.ledger[0])]
     if args.follow:
         return _follow(args, wanted, paths, many)
-    if not many:
-        with LedgerReader(paths[0]) as ledger:
-            collected = collect_history(ledger, wanted)
-        rows = (EVENT_COLUMNS, history_rows(collected))
-        emit(args, collected.to_json(), render_history(collected), rows)
-        return exit_codes.OK
     merged = collect_merged(paths, wanted)
-    lines = [render_merged(event) for event in merged.events] or ["no events match"]
+    render = render_merged if many else (lambda item: render_event(item.event))
+    lines = [render(event) for event in merged.events] or ["no events match"]
     emit(args, merged.to_json(), lines, (MERGED_COLUMNS, merged_rows(merged.events)))
     return exit_codes.OK
 
@@ -202,17 +199,6 @@ def collect_history(ledger: LedgerReader, wanted: HistoryRequest) -> HistoryRepo
     return HistoryReport(str(ledger.path), applied, events, int(cursor or 0))
 
 
-def render_history(report: HistoryReport) -> list[str]:
-    if not report.events:
-        return ["no events match"]
-    return [render_event(event) for event in report.events]
-
-
-def history_rows(report: HistoryReport) -> list[JsonObject]:
-    """The events as rows of ``EVENT_COLUMNS`` (``--nl``, ``--csv``)."""
-    return [event.to_json() for event in report.events]
-
-
 # Without --last, --since or --after-event, --follow first prints this many (tail -f's habit).
 FOLLOW_FIRST = 10
 
@@ -225,7 +211,8 @@ def _follow(args: argparse.Namespace, wanted: HistoryRequest, paths: list[Path],
 
     if wanted.last is None and wanted.since is None and wanted.after_event is None:
         wanted = dataclasses.replace(wanted, last=FOLLOW_FIRST)
-    form = getattr(args, "rows", None)
+    # One JSON object a line, as `journalctl -f -o json` writes them: --json follows as --nl.
+    form = "nl" if args.json else getattr(args, "rows", None)
     asked = [wanted] * len(paths)
     ranks: dict[int, int] = {}
     first = [True]
@@ -255,11 +242,7 @@ def _write_followed(
     form: str | None, found: list[MergedEvent], many: bool, *, header: bool
 ) -> None:
     if form is not None:
-        if many:
-            write_rows(sys.stdout, form, MERGED_COLUMNS, merged_rows(found), header=header)
-        else:
-            rows = [item.event.to_json() for item in found]
-            write_rows(sys.stdout, form, EVENT_COLUMNS, rows, header=header)
+        write_rows(sys.stdout, form, MERGED_COLUMNS, merged_rows(found), header=header)
     else:
         render = render_merged if many else (lambda item: render_event(item.event))
         sys.stdout.write("".join(printable(render(item)) + "\n" for item in found))

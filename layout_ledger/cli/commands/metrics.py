@@ -51,7 +51,8 @@ from layout_ledger.history.overview import (
 
 logger = logging.getLogger(__name__)
 
-EXTRA_HINT = "pip install 'sglang-expert-layout-ledger[metrics]'"
+# The [metrics] extra's one package, installed into the environment that runs layout-ledger.
+EXTRA_HINT = "python -m pip install prometheus-client: the [metrics] extra"
 # node_exporter's textfile collector reads only the files of its directory named *.prom.
 TEXTFILE_SUFFIX = ".prom"
 

@@ -119,8 +119,8 @@ def _matplotlib() -> tuple[Any, Any, Any]:
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise LedgerError(
-            "plot needs matplotlib, which is not installed; install it with "
-            "pip install 'sglang-expert-layout-ledger[plot]'"
+            "plot needs matplotlib, which is not installed; install it into the environment "
+            "that runs layout-ledger: python -m pip install matplotlib (the [plot] extra)"
         ) from exc
     return matplotlib, Figure, FigureCanvasAgg
 

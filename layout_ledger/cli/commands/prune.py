@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from layout_ledger.cli import exit_codes
-from layout_ledger.cli.existing_ledger import require_existing
+from layout_ledger.cli.existing_ledger import require_existing, while_no_daemon_runs
 from layout_ledger.cli.json_shape import JsonShaped
 from layout_ledger.cli.output import emit
 from layout_ledger.cli.progress import Progress
@@ -38,6 +38,13 @@ from layout_ledger.store.rows import (
     incarnation,
     incarnations,
     reconstructible_from,
+)
+
+# What the person at the CLI can do when the ledger's daemon runs.
+_PRUNE_INSTEAD = (
+    "a running daemon prunes its own ledger (--expert-layout-keep-versions, "
+    "--expert-layout-prune-every); to prune now, stop that daemon (`layout-ledger status LEDGER` "
+    "shows its pid), then run prune again, or try --dry-run, which reads only"
 )
 
 
@@ -135,7 +142,8 @@ def prune_ledger(
     # a side effect of a prune; a file of a newer one is refused before any lock is taken.
     LedgerReader(path).close()
     phase = on_phase or (lambda text: None)
-    ledger = Ledger.open(path)
+    with while_no_daemon_runs("prune", _PRUNE_INSTEAD):
+        ledger = Ledger.open(path)
     try:
         _refuse_inconsistent(path, lambda text: phase(f"verify first: {text}"))
         phase("removing the rows of old versions")

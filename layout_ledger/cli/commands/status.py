@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         (path,) = args.ledger
         with LedgerReader(path) as ledger:
             collected = collect_status(ledger, args.incarnation)
-        emit(args, collected.to_json(), render_status(collected))
+        # --json has one shape whatever names the ledgers: one ledger is a list of one.
+        emit(args, StatusesReport((collected,)).to_json(), render_status(collected))
         return collected.exit_code
     many = collect_statuses(expand_ledger_paths(args.ledger), args.incarnation)
     emit(args, many.to_json(), render_statuses(many))

@@ -14,7 +14,7 @@ from typing import ClassVar
 from sqlalchemy.exc import DBAPIError
 
 from layout_ledger.cli import exit_codes
-from layout_ledger.cli.existing_ledger import require_existing
+from layout_ledger.cli.existing_ledger import require_existing, while_no_daemon_runs
 from layout_ledger.cli.json_shape import JsonShaped
 from layout_ledger.cli.output import emit
 from layout_ledger.core.errors import LedgerFileError, LedgerStorageError, SchemaOutdated
@@ -22,6 +22,13 @@ from layout_ledger.history.reader import LedgerReader
 from layout_ledger.store.connections import open_writer
 from layout_ledger.store.migrate import file_revision, upgrade_to_head
 from layout_ledger.store.schema import SCHEMA_HEAD
+
+# What the person at the CLI can do when the ledger's daemon runs.
+_UPGRADE_INSTEAD = (
+    "a daemon upgrades its own ledger when it starts, so a running daemon's ledger has its "
+    "code's schema already; to upgrade it for a newer daemon, stop this one and start the new "
+    "one (or run upgrade in between)"
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,14 +64,20 @@ def upgrade_ledger(path: str | Path) -> UpgradeResult:
     else:
         at_head = True
     # A writing command fails while a daemon owns the file, even with nothing to do.
-    with open_writer(path, create=False) as writer:
+    with (
+        while_no_daemon_runs("upgrade", _UPGRADE_INSTEAD),
+        open_writer(path, create=False) as writer,
+    ):
         if at_head:
             return UpgradeResult(str(path), SCHEMA_HEAD, SCHEMA_HEAD)
         conn = writer.connection
         try:
             revision = file_revision(conn)
             if revision is None:
-                raise LedgerFileError(f"{path} is an empty SQLite file, not a ledger")
+                raise LedgerFileError(
+                    f"{path} is an empty SQLite file, not a ledger (a daemon creates its "
+                    f"ledger when it starts); name a ledger file"
+                )
             if conn.in_transaction():
                 conn.commit()
             upgrade_to_head(conn, path)
