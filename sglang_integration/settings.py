@@ -362,13 +362,18 @@ def content_check() -> ContentCheck:
 def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
     """The launcher's ``--expert-layout-*`` flags, one per row that has one."""
     for flag, setting in DAEMON_FLAGS:
-        parser.add_argument(
-            flag,
-            default=None,
-            metavar=setting.metavar,
-            choices=setting.choices,
-            help=f"{setting.help} (env {setting.env}; default {setting.default_text})",
-        )
+        add_setting_flag(parser, flag, setting)
+
+
+def add_setting_flag(parser: Any, flag: str, setting: Setting[Any]) -> None:
+    """One row's flag on ``parser`` (or an argument group): its value stays text, unparsed."""
+    parser.add_argument(
+        flag,
+        default=None,
+        metavar=setting.metavar,
+        choices=setting.choices,
+        help=f"{setting.help} (env {setting.env}; default {setting.default_text})",
+    )
 
 
 def export_daemon_flags(args: argparse.Namespace) -> None:

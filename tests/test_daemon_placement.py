@@ -47,6 +47,26 @@ def _filled_slots(metadata: Any, rank: int) -> list[list[int]]:
     return filled
 
 
+def _publish(model_dir: str, rank: int, **extra: Any) -> None:
+    """A daemon's real ServerArgs (EP 2, EPLB, 4 redundant experts) published for ``rank``."""
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=model_dir,
+        device="cpu",
+        tp_size=2,
+        ep_size=2,
+        enable_eplb=True,
+        ep_num_redundant_experts=NUM_REDUNDANT,
+        skip_tokenizer_init=True,
+        **extra,
+    )
+    publish(args, role="weight_cache_daemon", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
+    initialize_moe_config()
+
+
 def _rank(model_dir: str, backend: str, port: int, rank: int, channel: Any) -> None:
     import os
 
@@ -57,28 +77,18 @@ def _rank(model_dir: str, backend: str, port: int, rank: int, channel: Any) -> N
         get_global_expert_location_metadata,
         set_global_expert_location_metadata,
     )
-    from sglang.srt.layers.moe import initialize_moe_config
     from sglang.srt.platforms.cpu import CpuSRTPlatform
     from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
     from sglang.srt.weight_cache.daemon import WeightCacheDaemon
 
     from sglang_integration.daemon.hooks import register_daemon_hooks
 
-    args = ServerArgs(
-        model_path=model_dir,
-        device="cpu",
-        tp_size=2,
-        ep_size=2,
-        enable_eplb=True,
-        ep_num_redundant_experts=NUM_REDUNDANT,
+    _publish(
+        model_dir,
+        rank,
         moe_a2a_backend=backend,
         init_expert_location=json.dumps({"physical_to_logical_map": INITIAL}),
-        skip_tokenizer_init=True,
     )
-    publish(args, role="weight_cache_daemon", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
-    initialize_moe_config()
     # The daemon's world group (its _init_distributed makes it): with deepep, sglang's default
     # static dispatch reads the rank from it, and the plugin's restore agrees over it.
     init_distributed_environment(
@@ -157,25 +167,11 @@ def test_install_daemon_metadata_places_a_given_map_for_every_replica(model_dir:
 def _given_map(model_dir: str, channel: Any) -> None:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-    from sglang.srt.layers.moe import initialize_moe_config
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
 
     from sglang_integration.daemon.placement import install_daemon_metadata
 
-    args = ServerArgs(
-        model_path=model_dir,
-        device="cpu",
-        tp_size=2,
-        ep_size=2,
-        enable_eplb=True,
-        ep_num_redundant_experts=NUM_REDUNDANT,
-        moe_a2a_backend="deepep",
-        ep_dispatch_algorithm="dynamic",  # static would read the rank from a process group
-        skip_tokenizer_init=True,
-    )
-    publish(args, role="weight_cache_daemon", ranks=SpawnRanks(world_rank=1, gpu_id=1))
-    initialize_moe_config()
+    # Dynamic dispatch: static would read the rank from a process group.
+    _publish(model_dir, 1, moe_a2a_backend="deepep", ep_dispatch_algorithm="dynamic")
     config = ModelConfig(model_path=model_dir, dtype="auto")
     given = [list(reversed(row)) for row in INITIAL]
     installed = install_daemon_metadata(config, given)

@@ -97,30 +97,14 @@ def free_port() -> int:
 
 
 def write_tiny_moe_config(directory: Path, num_layers: int, num_experts: int) -> Path:
-    """A Qwen3-MoE ``config.json`` (no weights): enough for ServerArgs, ModelConfig and EPLB."""
+    """A Qwen3-MoE ``config.json`` (no weights): enough for ServerArgs, ModelConfig and EPLB; the
+    config of the toolkit's Qwen3-MoE checkpoints (``checkpoint.model_config``)."""
+    from sglang_integration.testing.checkpoint import CheckpointSpec, model_config
+
     directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "moe_intermediate_size": 8,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 8,
-        "num_experts": num_experts,
-        "num_experts_per_tok": 2,
-        "vocab_size": 64,
-        "max_position_embeddings": 128,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "norm_topk_prob": True,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "torch_dtype": "bfloat16",
-        "tie_word_embeddings": False,
-    }
+    config = model_config(
+        CheckpointSpec("qwen3_moe", num_layers=num_layers, num_experts=num_experts)
+    )
     (directory / "config.json").write_text(json.dumps(config))
     return directory
 

@@ -61,13 +61,7 @@ def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
     """The flags every daemon of a group takes (see the module docstring)."""
     group = parser.add_argument_group("daemon flags", "passed to every daemon of the group")
     for flag, setting in (*_LAUNCHER_FLAGS, *_ALIASES.items()):
-        group.add_argument(
-            flag,
-            default=None,
-            metavar=setting.metavar,
-            choices=setting.choices,
-            help=f"{setting.help} (env {setting.env}; default {setting.default_text})",
-        )
+        settings.add_setting_flag(group, flag, setting)
     mode = group.add_mutually_exclusive_group()
     mode.add_argument(
         "--no-record",
