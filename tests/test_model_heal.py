@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,11 +152,23 @@ def test_a_daemon_another_engine_may_route_with_waits_to_be_asked_to_heal(
         assert "dirty, not healing by itself: engines engine-b, engine-a may be routing" in (
             group.log(0).replace("engine-a, engine-b", "engine-b, engine-a")
         )
-        reply = request(group.socket(0), {"type": "expert_layout_heal"}, timeout=60)
-        assert reply["status"] == "ok", reply
-        assert not reply["layout"]["dirty"]
-        assert reply["layout"]["version"] == version
+        cli = subprocess.run(
+            [str(Path(sys.executable).parent / "layout-ledger"), "heal", group.socket(0)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        digest = _layout(group, 0)["digest"]
+        assert cli.stderr == ""
+        assert (cli.returncode, cli.stdout) == (
+            0,
+            f"{group.socket(0)}: healed from its checkpoint: clean at version {version} "
+            f"(digest {digest[:12]})\n",
+        )
+        assert not _layout(group, 0)["dirty"]
         assert _right_slots(group, checkpoint, 0) == NUM_LAYERS * LOCAL
+        assert _events(group, 0)[-2:] == ["content_dirty", "heal"]
         refused = request(group.socket(0), {"type": "expert_layout_heal"})
         assert refused == {
             "status": "refused",
