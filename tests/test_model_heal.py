@@ -13,6 +13,7 @@ reloaded version: the offer accepts the jump.
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
 import subprocess
 import sys
@@ -54,6 +55,11 @@ def _wait_clean(group: ModelDaemonGroup, rank: int, timeout: float = 60.0) -> di
         time.sleep(0.05)
 
 
+def _all_slots(group: ModelDaemonGroup) -> int:
+    """A rank's local slots over its MoE layers (DeepSeek-V3's first layer is dense)."""
+    return len(attach_routed_weights(group.socket(0)).routed_experts_weights_of_layer) * LOCAL
+
+
 def _right_slots(group: ModelDaemonGroup, checkpoint: Path, rank: int) -> int:
     """How many of the rank's local slots hold, byte for byte, the checkpoint expert its map
     names."""
@@ -92,19 +98,28 @@ def _spoil_mid_move(group: ModelDaemonGroup) -> None:
         tensor[2].zero_()
 
 
+# Each model with the dtype it is released in: DeepSeek-V3's experts carry FP8 block scales.
+MODELS = {"qwen3_moe": "bf16", "deepseek_v3": "fp8_block"}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint(model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("heal")
-    return write_checkpoint(
-        root / "checkpoint", CheckpointSpec(model="qwen3_moe", dtype="bf16", seed=7)
-    )
+    return write_checkpoint(root / "checkpoint", CheckpointSpec(model, MODELS[model], seed=7))
 
 
 @pytest.fixture(scope="module")
-def group(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelDaemonGroup]:
+def group(
+    model: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ModelDaemonGroup]:
     run = tmp_path_factory.mktemp("heal-run")
     started = start_model_daemons(
-        run, checkpoint, ep_size=RANKS, num_redundant_experts=NUM_REDUNDANT, model="qwen3_moe"
+        run, checkpoint, ep_size=RANKS, num_redundant_experts=NUM_REDUNDANT, model=model
     )
     try:
         yield started
@@ -120,7 +135,7 @@ def test_a_daemon_left_mid_move_with_half_written_slots_heals_itself_at_its_vers
     for engine in engines:
         assert engine.begin(before[0]["version"], [1, 2]).ok
     _spoil_mid_move(group)
-    assert _right_slots(group, checkpoint, 0) < NUM_LAYERS * LOCAL
+    assert _right_slots(group, checkpoint, 0) < _all_slots(group)
     for engine in engines:
         engine.kill()
     for rank in range(RANKS):
@@ -130,10 +145,19 @@ def test_a_daemon_left_mid_move_with_half_written_slots_heals_itself_at_its_vers
             before[rank]["version"],
             before[rank]["digest"],
         )
-        assert _right_slots(group, checkpoint, rank) == NUM_LAYERS * LOCAL
+        assert _right_slots(group, checkpoint, rank) == _all_slots(group)
         kinds = _events(group, rank)
         assert kinds[-2:] == ["dirty", "heal"]
     assert "healed itself from the checkpoint: 2 layers [1, 2], 12 slots" in group.log(0)
+    status = subprocess.run(
+        [str(Path(sys.executable).parent / "layout-ledger"), "status", group.ledger(0), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    healing = json.loads(status.stdout)["ledgers"][0]["heal"]
+    assert healing == {"mode": "auto", "available": True, "reason": None}
 
 
 def test_a_daemon_another_engine_may_route_with_waits_to_be_asked_to_heal(
@@ -167,7 +191,7 @@ def test_a_daemon_another_engine_may_route_with_waits_to_be_asked_to_heal(
             f"(digest {digest[:12]})\n",
         )
         assert not _layout(group, 0)["dirty"]
-        assert _right_slots(group, checkpoint, 0) == NUM_LAYERS * LOCAL
+        assert _right_slots(group, checkpoint, 0) == _all_slots(group)
         assert _events(group, 0)[-2:] == ["content_dirty", "heal"]
         refused = request(group.socket(0), {"type": "expert_layout_heal"})
         assert refused == {
@@ -211,7 +235,7 @@ def test_a_reload_puts_the_checkpoint_into_a_new_map_and_jumps_the_version(
             assert (layout["version"], layout["digest"]) == (base + 5, layout_digest(new_map))
             assert layout["physical_to_logical_map"] == new_map
             assert not layout["dirty"]
-            assert _right_slots(group, checkpoint, rank) == NUM_LAYERS * LOCAL
+            assert _right_slots(group, checkpoint, rank) == _all_slots(group)
             assert _events(group, rank)[-2:] == ["begin", "reload"]
             _verified(group, rank)
     finally:

@@ -723,9 +723,13 @@ class LayoutRecord:
             layers = tuple(
                 i for i, (a, b) in enumerate(zip(old_map, new_map, strict=True)) if a != b
             )
-            slots = changed_local_slots(
-                old_map, new_map, recorded.first_slot, rules.local_slot_count(recorded)
-            )
+            slots = {  # only layers with routed-expert tensors (a dense layer has none)
+                layer: changed
+                for layer, changed in changed_local_slots(
+                    old_map, new_map, recorded.first_slot, rules.local_slot_count(recorded)
+                ).items()
+                if layer in recorded.layers
+            }
             move = PendingMove(valid_id, layers, base_version, self._clock())
             if layers:
                 self.journal.append([_move_event(ev.BEGIN, move, str(move.since))])
