@@ -274,3 +274,94 @@ def test_a_refused_reload_changes_nothing_but_its_one_event(group: ModelDaemonGr
     finally:
         engine.exit()
         other.exit()
+
+
+def _swap_experts_in_file(shard: Path, layer: int, first: int, second: int) -> None:
+    """Experts ``first`` and ``second`` of ``layer`` trade their tensors in ``shard`` (the index
+    and the shapes stay as they were: the checkpoint's weights changed under the same names)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(shard))
+    a, b = (
+        f"model.layers.{layer}.mlp.experts.{first}.",
+        f"model.layers.{layer}.mlp.experts.{second}.",
+    )
+    swapped = dict(tensors)
+    for name in tensors:
+        if name.startswith(a):
+            swapped[name] = tensors[b + name.removeprefix(a)]
+            swapped[b + name.removeprefix(a)] = tensors[name]
+    save_file(swapped, str(shard), metadata={"format": "pt"})
+
+
+def _heal_failed_reason(group: ModelDaemonGroup, rank: int) -> str:
+    with contextlib.closing(sqlite3.connect(f"file:{group.ledger(rank)}?mode=ro", uri=True)) as db:
+        row = db.execute(
+            "SELECT reason FROM events WHERE kind = 'heal_failed' ORDER BY event_id DESC LIMIT 1"
+        ).fetchone()
+    return "" if row is None else str(row[0])
+
+
+def test_a_heal_leaves_the_daemon_dirty_while_the_checkpoint_is_missing_or_changed(
+    group: ModelDaemonGroup, checkpoint: Path
+) -> None:
+    shard = checkpoint / "model-00002-of-00002.safetensors"  # odd layers' tensors
+    original = shard.read_bytes()
+    version = _layout(group, 0)["version"]
+    try:
+        shard.unlink()
+        _spoil_mid_move(group)
+        request(group.socket(0), {"type": "expert_layout_content_check"})
+        deadline = time.monotonic() + 60
+        while "heal_failed" not in _events(group, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _events(group, 0)[-2:] == ["content_dirty", "heal_failed"]
+        assert f"the checkpoint file {shard} cannot be read" in _heal_failed_reason(group, 0)
+        assert _layout(group, 0)["dirty"]
+
+        shard.write_bytes(original)
+        held = _layout(group, 0)["physical_to_logical_map"][1][0]
+        _swap_experts_in_file(shard, 1, held, (held + 1) % NUM_EXPERTS)
+        reply = request(group.socket(0), {"type": "expert_layout_heal"}, timeout=60)
+        assert reply["status"] == "refused"
+        assert (
+            "after the reload, slots still differ from the record: layer 1 slot 0"
+            in (reply["reason"])
+        )
+        assert _layout(group, 0)["dirty"]
+
+        shard.write_bytes(original)
+        reply = request(group.socket(0), {"type": "expert_layout_heal"}, timeout=60)
+        assert reply["status"] == "ok", reply
+        assert (reply["layout"]["dirty"], reply["layout"]["version"]) == (False, version)
+        assert _right_slots(group, checkpoint, 0) == _all_slots(group)
+        assert _events(group, 0)[-4:] == ["content_dirty", "heal_failed", "heal_failed", "heal"]
+        _verified(group, 0)
+    finally:
+        shard.write_bytes(original)
+
+
+def test_a_restart_after_a_reload_restores_the_version_it_jumped_to(
+    group: ModelDaemonGroup, checkpoint: Path, model: str
+) -> None:
+    before = [_layout(group, rank) for rank in range(RANKS)]
+    assert group.stop() == [0, 0]
+    again = start_model_daemons(
+        Path(group.spec.run_dir),
+        checkpoint,
+        ep_size=RANKS,
+        num_redundant_experts=NUM_REDUNDANT,
+        model=model,
+    )
+    try:
+        for rank in range(RANKS):
+            layout = _layout(again, rank)
+            assert (layout["version"], layout["digest"]) == (
+                before[rank]["version"],
+                before[rank]["digest"],
+            )
+            assert layout["restored_from"]["version"] == before[rank]["version"]
+            assert _right_slots(again, checkpoint, rank) == _all_slots(again)
+            _verified(again, rank)
+    finally:
+        assert again.stop() == [0, 0]
