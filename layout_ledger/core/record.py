@@ -38,6 +38,7 @@ from layout_ledger.core.errors import (
 )
 from layout_ledger.core.layout import Geometry, Map, digest_of_row_jsons, row_json
 from layout_ledger.core.reloads import (
+    ReloadFailed,
     ReloadReport,
     SlotReloader,
     all_local_slots,
@@ -783,7 +784,7 @@ class LayoutRecord:
                 f"a reload to version {version} failed ({exc}); its slots may be half-written: "
                 f"fix the cause, then `layout-ledger heal`, or restart the daemon",
             )
-        raise LedgerError(f"the reload failed: {exc}") from exc
+        raise ReloadFailed(f"the reload failed: {exc}") from exc
 
     def reload_recorded(
         self, engine_id: Any, layers: Sequence[int], new_version: Any, digest: str, reason: Any
