@@ -250,9 +250,11 @@ def test_the_downgrade_to_0008_refuses_a_ledger_holding_heal_or_reload_events(tm
     record.heal(CheckpointSlots(slots))
     ledger.close()
     engine = create_engine(f"sqlite:///{path}")
-    with pytest.raises(errors.SchemaDowngradeRefused, match="1 heal or reload events"):
-        with engine.begin() as conn:
-            command.downgrade(alembic_config(conn), "0008_restored_layouts")
+    with (
+        pytest.raises(errors.SchemaDowngradeRefused, match="1 heal or reload events"),
+        engine.begin() as conn,
+    ):
+        command.downgrade(alembic_config(conn), "0008_restored_layouts")
     engine.dispose()
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
