@@ -166,10 +166,12 @@ def test_a_reload_killed_midway_is_never_clean_at_the_next_start(tmp_path):
     ledger = open_ledger(tmp_path / "l.sqlite")
     _start(ledger)
     with ledger.transaction("reading") as conn:
-        (end_state,) = conn.exec_driver_sql(
-            "SELECT end_state FROM incarnations WHERE incarnation_id = 1"
+        (end_state, reason) = conn.exec_driver_sql(
+            "SELECT i.end_state, e.reason FROM incarnations i JOIN events e "
+            "ON e.incarnation_id = i.incarnation_id AND e.kind = 'end' WHERE i.incarnation_id = 1"
         ).one()
     assert end_state != "clean"
+    assert "engine 'E'" in reason and "pending" in reason  # the reload's intent (its begin)
     ledger.close()
 
 
