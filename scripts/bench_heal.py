@@ -150,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
 
     set_quiet_sglang_env()
     from bench_restore import counting_daemon
-
     from sglang_integration.testing.checkpoint import CheckpointSpec, write_checkpoint
     from sglang_integration.testing.daemon_control import process_context
     from sglang_integration.testing.daemons import launch, spec_with_flags
