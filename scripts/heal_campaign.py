@@ -49,7 +49,7 @@ from layout_ledger.store.rows import incarnation
 
 NUM_EXPERTS, REDUNDANT, RANKS = 8, 4, 2
 LOCAL = (NUM_EXPERTS + REDUNDANT) // RANKS  # each rank's local slots
-HEAL_ROUNDS = 0.75  # the share of rounds that end with a heal under way
+HEAL_ROUNDS = 0.85  # the share of rounds that end with a heal under way
 
 
 @dataclass
@@ -182,7 +182,7 @@ def run_campaign(
             _spoil(sockets[0], layers)
             for engine in engines:
                 engine.kill()
-            time.sleep(rng.uniform(0.0, 0.05 + 1.5 * delay * len(layers)))
+            time.sleep(rng.uniform(0.02, 0.02 + delay * len(layers)))
         else:
             time.sleep(rng.uniform(0.0, 0.01))
         reloading = []
