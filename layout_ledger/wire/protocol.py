@@ -39,10 +39,28 @@ CORDON = "expert_layout_cordon"
 UNCORDON = "expert_layout_uncordon"
 LEASE = "expert_layout_lease"
 RELEASE = "expert_layout_release"
+# Extensions: an engine alone on the daemon has it reload slots from its checkpoint into a new
+# map; an operator (or the daemon itself) heals a dirty daemon from its checkpoint.
+RELOAD = "expert_layout_reload"
+HEAL = "expert_layout_heal"
 FETCH_STATE = "fetch_state"
 
 LAYOUT_REQUEST_TYPES = frozenset(
-    {ATTACH, QUERY, BEGIN, COMMIT, ABORT, CONTENT_CHECK, REPAIR, CORDON, UNCORDON, LEASE, RELEASE}
+    {
+        ATTACH,
+        QUERY,
+        BEGIN,
+        COMMIT,
+        ABORT,
+        CONTENT_CHECK,
+        REPAIR,
+        CORDON,
+        UNCORDON,
+        LEASE,
+        RELEASE,
+        RELOAD,
+        HEAL,
+    }
 )
 
 # The role field of an attach request and of its ok reply (``core.state.ROLES``). A daemon from
@@ -457,6 +475,14 @@ class UncordonRequest:
 
 
 @dataclass(frozen=True)
+class HealRequest:
+    """Heal a dirty daemon from its checkpoint now (``layout-ledger heal``; no field)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": HEAL}
+
+
+@dataclass(frozen=True)
 class CordonView:
     """The ``cordon`` field of an ``ok`` reply to cordon and uncordon: whether the daemon is
     cordoned now, since when and why (``since`` and ``reason`` None when it is not)."""
@@ -682,8 +708,8 @@ class Reply:
     def _read_ok(
         cls, raw: Mapping[str, Any], reason: str | None, *, request_type: str, peer: str
     ) -> Reply:
-        """An ``ok`` reply: attach and query carry a valid layout, commit and repair a version and
-        digest, a content check a valid content."""
+        """An ``ok`` reply: attach, query, reload and heal carry a valid layout, commit and
+        repair a version and digest, a content check a valid content."""
         layout = None
         if "layout" in raw:
             try:
@@ -695,7 +721,7 @@ class Reply:
                     f"{request_type}: {exc}",
                     raw,
                 )
-        elif request_type in (ATTACH, QUERY):
+        elif request_type in (ATTACH, QUERY, RELOAD, HEAL):
             return cls(
                 Outcome.ERROR,
                 f"the daemon at {peer} answered {request_type} ok without a layout",
