@@ -217,17 +217,22 @@ def test_daemons_at_version_zero_leave_the_initial_layout_as_it_is(
         assert any("equal to" in text for _, text in report["logs"])
 
 
-def test_daemons_at_different_versions_fail_every_rank_naming_ranks_and_versions(
+def test_daemons_no_daemon_can_bring_to_the_newest_fail_every_rank_naming_ranks_and_versions(
     ranks: EngineRanks, model_dir: Path, tmp_path: Path
 ) -> None:
+    """Rank 1's daemon two versions ahead: a move commits one version, and these model-less
+    daemons cannot reload from a checkpoint, so no daemon can reach the newest layout."""
     with daemons(tmp_path, ["ledger"] * ranks.world_size) as started:
         for rank, daemon in enumerate(started):
-            move(daemon, FIRST_MOVE, *([SECOND_MOVE] if rank == 1 else []))
+            move(daemon, *([FIRST_MOVE, SECOND_MOVE] if rank == 1 else []))
         reports = ranks.run(scenario(started, model_dir=model_dir))
     error = the_same_error_on_every_rank(reports)
-    assert "the weight cache daemons disagree on the expert layout" in error
-    assert f"rank 0 (daemon {started[0].socket_path}) at version 1" in error
-    assert f"rank 1 (daemon {started[1].socket_path}) at version 2" in error
+    assert error.startswith(
+        "ExpertLayoutStartupError: converging the weight cache daemons on version 2 (digest "
+        f"{layout_digest(after(FIRST_MOVE, SECOND_MOVE))[:12]}, the newest any of them "
+        "committed) failed at the reload: "
+    )
+    assert f"rank 0 (daemon {started[0].socket_path}, at version 0): reload refused" in error
     for report in reports:
         assert report["session"] is None
         assert report["map"] == INITIAL  # nothing adopted

@@ -100,6 +100,14 @@ class ConvergePlan:
         )
 
 
+@dataclass(frozen=True)
+class ConvergeByMove:
+    """The startup decision when a move is left: route with ``plan.held_map`` until the weights
+    are loaded, then move to the target (``converge.move_after_load``)."""
+
+    plan: ConvergePlan
+
+
 def needs_convergence(findings: Sequence[RankFinding]) -> bool:
     """Whether these findings are clean records at more than one version or digest (the only
     case the plan handles; every other disagreement keeps ``startup_verdict.decide``'s verdict)."""

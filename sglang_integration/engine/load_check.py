@@ -46,7 +46,15 @@ def around_load_model(original_fn: Callable[[Any], Any], runner: Any) -> Any:
     from sglang_integration.engine.startup import current_session
 
     session = current_session()
-    if session is None or session.expected_content is None:
+    if session is None:
+        return result
+    if session.converge is not None:
+        from sglang_integration.engine.converge import move_after_load
+
+        # The daemons at an older layout move to the newest first; the check then sees it.
+        pending, session.converge = session.converge, None
+        move_after_load(runner.model, pending, session)
+    if session.expected_content is None:
         return result
     check_loaded_experts(runner.model, session)
     return result
