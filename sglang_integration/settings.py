@@ -65,6 +65,22 @@ class RestoreMode(enum.Enum):
 
 RESTORE_CHOICES = tuple(mode.value for mode in RestoreMode)
 
+
+class HealMode(enum.Enum):
+    """Whether a dirty daemon reloads its dirty layers' slots from its checkpoint by itself.
+
+    - ``auto``: when no live engine can be routing with the slots it rewrites (the mover is
+      gone, no other engine holds a lease; for a content mark, no non-following fetch), it
+      heals by itself; otherwise it waits for ``layout-ledger heal`` and says so.
+    - ``off``: only when asked (``expert_layout_heal``, ``layout-ledger heal``).
+    """
+
+    AUTO = "auto"
+    OFF = "off"
+
+
+HEAL_CHOICES = tuple(mode.value for mode in HealMode)
+
 # --- Defaults, and why -----------------------------------------------------------------------
 
 # The ledgers live where daemons keep state that survives a reboot (a restore reads them at the
@@ -103,6 +119,10 @@ DEFAULT_CONTENT_CHECK = ContentCheck.ENFORCE
 # layout instead of the initial one (engines then run balanced at once, with no rebalance to
 # gather statistics for), and a version number keeps naming one map.
 DEFAULT_RESTORE = RestoreMode.LAST
+
+# A dirty daemon is back in seconds, reading only its dirty layers' experts, instead of a
+# restart that reads the whole checkpoint and makes every engine fetch again.
+DEFAULT_HEAL = HealMode.AUTO
 
 # An engine attaches as an active engine (it serves and may move experts, as every engine before
 # roles did) unless it is started as a warm standby.
@@ -317,6 +337,16 @@ RESTORE: Setting[RestoreMode] = Setting(
     "at version 0 (initial)",
     choices=RESTORE_CHOICES,
 )
+HEAL: Setting[HealMode] = Setting(
+    env="SGLANG_EXPERT_LAYOUT_HEAL",
+    flag="--expert-layout-heal",
+    default=DEFAULT_HEAL,
+    parse=one_of(HealMode),
+    help="a dirty daemon reloads its dirty layers' slots from its checkpoint by itself when no "
+    "live engine can be routing with them (auto), or only when asked by `layout-ledger heal` "
+    "(off)",
+    choices=HEAL_CHOICES,
+)
 
 ROLE: Setting[str] = Setting(
     env="SGLANG_EXPERT_LAYOUT_ROLE",
@@ -344,6 +374,7 @@ SETTINGS: tuple[Setting[Any], ...] = (
     WAIT_TIMEOUT,
     CONTENT_CHECK,
     RESTORE,
+    HEAL,
     ROLE,
     STANDBY_IDLE,
 )

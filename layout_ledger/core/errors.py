@@ -129,3 +129,17 @@ class ContentMismatch(RequestRefused):
 class NotStandby(RequestRefused):
     """A lease asked for by an engine not attached as a standby (an active engine always holds
     its lease)."""
+
+
+class ReloadRefused(RequestRefused):
+    """An ``expert_layout_reload`` that breaks a rule (docs/protocol.md "reload"); the daemon's
+    layout is unchanged."""
+
+
+class HealRefused(RequestRefused):
+    """A heal that cannot run now (not dirty, heal off, a move pending, an engine that may
+    route with the slots); the message says what to do."""
+
+
+class HealFailed(LedgerError):
+    """A heal ran and the daemon stays dirty (its ``heal_failed`` event names why)."""

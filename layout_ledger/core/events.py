@@ -27,6 +27,16 @@ CONTENT_DIRTY = "content_dirty"
 # An engine recorded the layout the weights of a dirty daemon's pending layers hold (a new
 # version, verified against the daemon's own fingerprints), which clears the dirty mark.
 REPAIR = "repair"
+# An attached engine, alone on the daemon, had it reload some local slots from its checkpoint
+# into a new map (``expert_layout_reload``): the version jumps from ``base_version`` to
+# ``new_version``; its intent is the ``begin`` before it (so a kill mid-reload leaves a move
+# pending). The reason carries the slots, bytes read and seconds.
+RELOAD = "reload"
+# A dirty daemon reloaded the dirty layers' local slots from its checkpoint into its committed
+# layout and every reloaded slot holds what the record names: clean again, at the same version
+# and digest. HEAL_FAILED: it tried, the reason says why it is still dirty.
+HEAL = "heal"
+HEAL_FAILED = "heal_failed"
 NON_FOLLOWING_FETCH = "non_following_fetch"
 PRUNE = "prune"
 # An operator cordoned the daemon (every begin answered busy) or lifted the cordon; a daemon
@@ -52,6 +62,8 @@ REFUSABLE_VERBS = (
     "cordon",
     "lease",
     "release",
+    "reload",
+    "heal",
 )
 BUSY_KINDS = {"begin": BEGIN_BUSY, "lease": LEASE_BUSY}
 
@@ -71,6 +83,9 @@ ALL_KINDS: tuple[str, ...] = (
     DIRTY,
     CONTENT_DIRTY,
     REPAIR,
+    RELOAD,
+    HEAL,
+    HEAL_FAILED,
     NON_FOLLOWING_FETCH,
     PRUNE,
     CORDON,

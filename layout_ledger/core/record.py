@@ -30,12 +30,19 @@ from layout_ledger.core.content import (
 )
 from layout_ledger.core.errors import (
     EngineNotAttached,
+    HealFailed,
     LedgerError,
     MoveBusy,
     NoContentRecord,
     RequestRefused,
 )
 from layout_ledger.core.layout import Geometry, Map, digest_of_row_jsons, row_json
+from layout_ledger.core.reloads import (
+    ReloadReport,
+    SlotReloader,
+    all_local_slots,
+    changed_local_slots,
+)
 from layout_ledger.core.state import (
     ROLE_STANDBY,
     ContentFinding,
@@ -418,10 +425,20 @@ class LayoutRecord:
         *,
         fingerprints: LocalFingerprints | None = None,
         kind: str = ev.COMMIT,
+        new_version: int | None = None,
+        reason: str | None = None,
     ) -> tuple[int, str]:
-        """A new version (a commit's, or a repair's): append, then take it on."""
-        new_version = self.version + 1
-        event = _move_event(kind, move, self._clock(), new_version=new_version, digest_after=digest)
+        """A new version (a commit's or repair's: the next one; a reload's: ``new_version``):
+        append, then take it on."""
+        new_version = self.version + 1 if new_version is None else new_version
+        event = _move_event(
+            kind,
+            move,
+            self._clock(),
+            new_version=new_version,
+            digest_after=digest,
+            reason=reason,
+        )
         rows = new_row_jsons if new_row_jsons is not None else {}
         self.journal.append([event], rows, fingerprints)
         self._row_jsons = row_jsons
@@ -659,6 +676,244 @@ class LayoutRecord:
             self.dirty = None
             return result
 
+    # --- reloads from the checkpoint: expert_layout_reload, heal --------------------------
+
+    def reload(
+        self,
+        engine_id: Any,
+        *,
+        base_version: Any,
+        version: Any,
+        digest: Any,
+        physical_to_logical_map: Any,
+        reloader: SlotReloader | None,
+        cannot_reload: str | None = None,
+    ) -> tuple[int, str, ReloadReport | None]:
+        """``expert_layout_reload``: rewrite from the checkpoint the local slots whose expert
+        differs between the current map and ``physical_to_logical_map``, then record it as
+        ``version`` (a jump from ``base_version``). Returns (version, digest, the reload's
+        report; None when no local slot changed).
+
+        The intent is recorded first (a ``begin`` of the changed layers), so a kill mid-reload
+        leaves a move pending: never clean by mistake. A reload that fails after it began marks
+        the daemon dirty (its slots may be half-written; a heal or a restart fixes them) and
+        raises ``LedgerError``. Reloaded slots that do not hold what the ledger knows of their
+        experts mark it dirty after the reload, as a commit's do.
+        """
+        with self._lock:
+            try:
+                valid_id = self._engine_ids(engine_id)
+                if cannot_reload is None and (reloader is None or self.content is None):
+                    cannot_reload = "it has no checkpoint reloader or records no fingerprints"
+                new_map = rules.check_reload(
+                    self,
+                    valid_id,
+                    base_version=base_version,
+                    version=version,
+                    digest=digest,
+                    physical_to_logical_map=physical_to_logical_map,
+                    cannot_reload=cannot_reload,
+                )
+            except RequestRefused as exc:
+                self._refuse("reload", engine_id, exc)
+            recorded = self.content
+            if reloader is None or recorded is None:  # checked above; for the type checker
+                raise LedgerError("no reloader")
+            old_map = self.physical_to_logical_map()
+            layers = tuple(
+                i for i, (a, b) in enumerate(zip(old_map, new_map, strict=True)) if a != b
+            )
+            slots = changed_local_slots(
+                old_map, new_map, recorded.first_slot, rules.local_slot_count(recorded)
+            )
+            move = PendingMove(valid_id, layers, base_version, self._clock())
+            if layers:
+                self.journal.append([_move_event(ev.BEGIN, move, str(move.since))])
+                self.pending = move
+                self._moves_seen += 1
+            report = None
+            try:
+                if slots:
+                    report = reloader(new_map, slots)
+            except Exception as exc:
+                self._reload_failed(move, sorted(slots), version, exc)
+            found = None
+            if layers:
+                fresh = {} if report is None else dict(report.fingerprints.layers)
+                found = LocalFingerprints(
+                    recorded.first_slot,
+                    {
+                        layer: fresh.get(layer, recorded.layers[layer])
+                        for layer in layers
+                        if layer in recorded.layers
+                    },
+                )
+            row_jsons = [row_json(row) for row in new_map]
+            reason = "no local slot changed" if report is None else report.describe()
+            result = self._committed(
+                move,
+                digest,
+                {layer: row_jsons[layer] for layer in layers},
+                row_jsons,
+                fingerprints=found,
+                kind=ev.RELOAD,
+                new_version=version,
+                reason=reason,
+            )
+            if found is not None:
+                self._check_committed_content(found, verb="reload")
+            return result[0], result[1], report
+
+    def _reload_failed(
+        self, move: PendingMove, layers: Sequence[int], version: Any, exc: Exception
+    ) -> NoReturn:
+        """A reload that began and failed: its pending move ends (``abort``) and, where slots
+        were being rewritten, the daemon is dirty for them."""
+        if self.pending is move:
+            self.journal.append([_move_event(ev.ABORT, move, self._clock())])
+            self.pending = None
+            self._moves_seen += 1
+        if layers:
+            self.mark_content_dirty(
+                layers,
+                f"a reload to version {version} failed ({exc}); its slots may be half-written: "
+                f"fix the cause, then `layout-ledger heal`, or restart the daemon",
+            )
+        raise LedgerError(f"the reload failed: {exc}") from exc
+
+    def reload_recorded(
+        self, engine_id: Any, layers: Sequence[int], new_version: Any, digest: str, reason: Any
+    ) -> tuple[int, str]:
+        """Replay a reload known by its layers, version and digest (as ``commit_recorded``)."""
+        with self._lock:
+            try:
+                valid_id = self._engine_ids(engine_id)
+                if layers:
+                    move = rules.check_recorded_commit(self, valid_id, layers)
+                elif self.pending is not None:
+                    raise RequestRefused("a reload of no layer while a move was pending")
+                else:
+                    move = PendingMove(valid_id, (), self.version, self._clock())
+                if not isinstance(new_version, int) or new_version <= self.version:
+                    raise RequestRefused(
+                        f"a reload to version {new_version} from version {self.version}"
+                    )
+            except RequestRefused as exc:
+                self._refuse("reload", engine_id, exc)
+            return self._committed(
+                move,
+                digest,
+                None,
+                None,
+                kind=ev.RELOAD,
+                new_version=new_version,
+                reason=reason,
+            )
+
+    def heal(self, reloader: SlotReloader | None, cannot_heal: str | None = None) -> ReloadReport:
+        """Reload the dirty layers' local slots from the checkpoint into the committed map; clean
+        again (``heal`` event, same version and digest) only when every reloaded slot holds
+        what the record names. Otherwise a ``heal_failed`` event names why and ``HealFailed``
+        is raised; a heal that cannot run now is refused (``heal_refused``).
+
+        A kill during it leaves the daemon dirty (the mark is cleared only with the event)."""
+        with self._lock:
+            recorded = self.content
+            try:
+                if cannot_heal is None and (reloader is None or recorded is None):
+                    cannot_heal = "it has no checkpoint reloader or records no fingerprints"
+                layers = rules.check_heal(self, cannot_heal)
+            except RequestRefused as exc:
+                self._refuse("heal", None, exc)
+            if reloader is None or recorded is None:  # checked above; for the type checker
+                raise LedgerError("no reloader")
+            layers = tuple(layer for layer in layers if layer in recorded.layers)
+            the_map = self.physical_to_logical_map()
+            slots = all_local_slots(layers, recorded.first_slot, rules.local_slot_count(recorded))
+            try:
+                report = reloader(the_map, slots)
+            except Exception as exc:
+                self._heal_failed(layers, f"the checkpoint could not be reloaded: {exc}")
+            found = report.fingerprints.only(layers)
+            differ = changed_slots(recorded.only(layers), found)
+            problems = rules.committed_content_problems(the_map, found, self.known)
+            if differ or problems or set(found.layers) != set(layers):
+                what = describe_changes(differ, found, self.known, the_map) or "; ".join(
+                    problems.values()
+                )
+                self._heal_failed(
+                    layers,
+                    f"after the reload, slots still differ from the record: {what or 'missing'} "
+                    f"(has the checkpoint changed?)",
+                )
+            self.journal.append(
+                [
+                    ev.Event(
+                        at=self._clock(),
+                        kind=ev.HEAL,
+                        layers=layers,
+                        base_version=self.version,
+                        new_version=self.version,
+                        digest_after=self.digest,
+                        reason=ev.clip(report.describe()),
+                    )
+                ]
+            )
+            self.dirty = None
+            self._moves_seen += 1
+            return report
+
+    def _heal_failed(self, layers: tuple[int, ...], reason: str) -> NoReturn:
+        self._append_heal_failed(layers, reason)
+        raise HealFailed(
+            f"the heal failed, the daemon stays dirty: {reason}; fix the cause, then "
+            f"`layout-ledger heal`, or restart the daemon"
+        )
+
+    def _append_heal_failed(self, layers: Sequence[int], reason: str) -> None:
+        self.journal.append(
+            [
+                ev.Event(
+                    at=self._clock(),
+                    kind=ev.HEAL_FAILED,
+                    layers=tuple(layers),
+                    base_version=self.version,
+                    new_version=self.version,
+                    reason=ev.clip(reason),
+                )
+            ]
+        )
+
+    def heal_recorded(self, layers: Sequence[int], reason: Any, failed: bool) -> None:
+        """Replay a ``heal`` (or, ``failed``, a ``heal_failed``) event."""
+        with self._lock:
+            try:
+                expected = rules.check_heal(self, None)
+                if not failed and self.content is not None:
+                    expected = tuple(x for x in expected if x in self.content.layers)
+                if tuple(layers) != tuple(expected) and not failed:
+                    raise RequestRefused(f"a heal of layers {list(layers)}, not {list(expected)}")
+            except RequestRefused as exc:
+                self._refuse("heal", None, exc)
+            if failed:
+                self._append_heal_failed(layers, str(reason or ""))
+                return
+            self.journal.append(
+                [
+                    ev.Event(
+                        at=self._clock(),
+                        kind=ev.HEAL,
+                        layers=tuple(layers),
+                        base_version=self.version,
+                        new_version=self.version,
+                        digest_after=self.digest,
+                        reason=reason,
+                    )
+                ]
+            )
+            self.dirty = None
+            self._moves_seen += 1
+
     def _fingerprints_now(
         self, fingerprints_of: Fingerprinter, layers: Sequence[int] | None = None
     ) -> LocalFingerprints:
@@ -671,14 +926,14 @@ class LayoutRecord:
             raise LedgerError(f"fingerprinting {what} failed: {exc}") from exc
         return found if layers is None else found.only(layers)
 
-    def _check_committed_content(self, found: LocalFingerprints) -> None:
+    def _check_committed_content(self, found: LocalFingerprints, verb: str = "commit") -> None:
         the_map = self.physical_to_logical_map()
         problems = rules.committed_content_problems(the_map, found, self.known)
         self._learn(the_map, found)
         if problems and self.dirty is None:
             self.mark_content_dirty(
                 sorted(problems),
-                f"after the commit of version {self.version}, slots do not hold the experts the "
+                f"after the {verb} of version {self.version}, slots do not hold the experts the "
                 f"map names: " + "; ".join(problems.values()) + "; restart the daemon",
             )
 

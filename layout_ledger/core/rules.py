@@ -32,9 +32,12 @@ from layout_ledger.core.content import (
 )
 from layout_ledger.core.layout import (
     Geometry,
+    Map,
     check_row_layers,
     is_int,
+    layout_digest,
     validate_layers,
+    validate_map,
     validate_rows,
     validate_rows_json,
 )
@@ -228,6 +231,61 @@ def check_begin(
             f"try again later"
         )
     return valid_layers
+
+
+def check_reload(
+    state: StateView,
+    engine_id: str,
+    *,
+    base_version: Any,
+    version: Any,
+    digest: Any,
+    physical_to_logical_map: Any,
+    cannot_reload: str | None,
+) -> Map:
+    """``expert_layout_reload``: begin's rules (the one-mover rule included; what would be busy
+    is refused, the reply has no busy), then the new version, map and digest, then whether this
+    daemon can reload at all. Returns the validated map; raises ``RequestRefused``."""
+    try:
+        check_begin(state, engine_id, base_version, [0])
+    except errors.MoveBusy as exc:
+        raise errors.ReloadRefused(f"{exc} (a reload is never queued: send it again)") from exc
+    if not is_int(version) or version <= base_version:
+        raise errors.ReloadRefused(
+            f"version must be an int above base_version {base_version}, got {version!r}"
+        )
+    the_map = validate_map(physical_to_logical_map, state.geometry)
+    if not isinstance(digest, str) or digest != layout_digest(the_map):
+        raise errors.ReloadRefused(
+            "digest is not the layout digest of physical_to_logical_map (SHA-256 of its rows, "
+            'docs/protocol.md "Terms"); send the digest of the map you send'
+        )
+    if cannot_reload is not None:
+        raise errors.ReloadRefused(
+            f"this daemon cannot reload from its checkpoint: {cannot_reload}"
+        )
+    return the_map
+
+
+def check_heal(state: StateView, cannot_heal: str | None) -> tuple[int, ...]:
+    """A heal (asked, or by the daemon itself): a dirty daemon, no move pending, a daemon that
+    can reload. Returns the layers to reload (the unfinished move's, or the content mark's)."""
+    dirty = state.dirty
+    if dirty is None:
+        raise errors.HealRefused(
+            "this daemon's expert layout is known (it is not dirty); there is nothing to heal"
+        )
+    if state.pending is not None:
+        raise errors.HealRefused(
+            f"engine {state.pending.engine_id!r} has a move pending; abort it before a heal"
+        )
+    if cannot_heal is not None:
+        raise errors.HealRefused(f"this daemon cannot heal: {cannot_heal}; restart it")
+    if dirty.layers:
+        return dirty.layers
+    raise errors.HealRefused(
+        f"this daemon is dirty because {dirty.reason}, naming no layer to reload; restart it"
+    )
 
 
 def check_lease(state: StateView, engine_id: str) -> bool:
@@ -547,7 +605,7 @@ def check_repair(
         expected_fingerprints, move.layers, state.geometry.num_logical_experts
     )
     fingerprinted = [layer for layer in move.layers if layer in content.recorded.layers]
-    first, count = content.recorded.first_slot, _local_slot_count(content.recorded)
+    first, count = content.recorded.first_slot, local_slot_count(content.recorded)
     claimed = fingerprints_from_wire(fingerprints, fingerprinted, first, count)
     for layer in fingerprinted:
         for (slot, said), found in zip(
@@ -623,7 +681,8 @@ def _repairable(state: StateView, engine_id: str) -> PendingMove:
     return dirty.move
 
 
-def _local_slot_count(local: LocalFingerprints) -> int:
+def local_slot_count(local: LocalFingerprints) -> int:
+    """How many local slots ``local`` covers per layer."""
     return len(next(iter(local.layers.values()), ()))
 
 

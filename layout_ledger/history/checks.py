@@ -123,11 +123,25 @@ def _check_version_chain(conn: Connection, inc: Incarnation) -> str:
             f"version {versions[0]} comes before version {first}, which the incarnation "
             f"restored and started at"
         )
-    for expected, version in enumerate(versions, first):
+    # A reload's version jumps from its base_version to its new_version (no version between).
+    jumps: dict[int, int] = {
+        int(base): int(new)
+        for base, new in conn.execute(
+            text(
+                "SELECT base_version, new_version FROM events WHERE incarnation_id = :i "
+                "AND kind = 'reload' ORDER BY event_id"
+            ),
+            {"i": inc.incarnation_id},
+        )
+    }
+    expected = first
+    for version in versions:
         if version != expected:
             missing = expected if version == expected + 1 else f"{expected}..{version - 1}"
             raise Inconsistent(f"version {missing} is missing before version {version}")
-    return f"versions {first}..{versions[-1]} without gaps"
+        expected = jumps.get(version, version + 1)
+    reloads = f" (and {len(jumps)} reload jumps)" if jumps else ""
+    return f"versions {first}..{versions[-1]} without gaps{reloads}"
 
 
 def _check_digests(conn: Connection, inc: Incarnation) -> str:

@@ -47,7 +47,7 @@ FIELDS = (
 
 # The event kinds whose row writes a version (and, at a daemon that records content, its slot
 # fingerprints): their link covers the version's ``fingerprints_digest`` when it has one.
-VERSIONED_KINDS = ("start", "commit", "repair")
+VERSIONED_KINDS = ("start", "commit", "repair", "reload")
 
 
 def link(previous: str, row: Sequence[Any], fingerprints_digest: str | None = None) -> str:
@@ -74,6 +74,8 @@ def fingerprints_digest(rows: Sequence[tuple[int, int, str]]) -> str:
 
 
 _VERSIONED = ", ".join(f"'{kind}'" for kind in VERSIONED_KINDS)
+# The kinds above as an SQL list (``kind IN (...)``).
+VERSIONED_SQL = _VERSIONED
 _CHAIN_ROWS = (
     f"SELECT e.event_id, {', '.join('e.' + name for name in FIELDS)}, e.chain, "
     "v.fingerprints_digest FROM events e LEFT JOIN versions v "

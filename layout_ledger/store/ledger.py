@@ -176,12 +176,14 @@ class Ledger:
         content: LocalFingerprints | None = None,
         checkpoint_digest: str | None = None,
         restored_from: RestoredFrom | None = None,
+        heal: str | None = None,
     ) -> LayoutRecord:
         """Record a daemon start (with its slots' ``content``, if it records it) and return its
         record; ``origin`` says where the daemon runs (nothing recorded when None),
         ``checkpoint_digest`` what identifies the weights it loaded. It starts at version 0 with
         ``initial_map``, or, ``restored_from`` a committed version, at that version's number
-        and digest, ``initial_map`` being that version's map (``restore_offer``)."""
+        and digest, ``initial_map`` being that version's map (``restore_offer``). ``heal``:
+        whether it can heal itself (``auto``, ``off``, ``unavailable: REASON``; None: unknown)."""
         if self.record is not None:
             raise LedgerError(
                 f"incarnation {self.record.incarnation_id} is still live in this process; "
@@ -201,6 +203,7 @@ class Ledger:
                 origin=origin or IncarnationOrigin(),
                 checkpoint_digest=checkpoint_digest,
                 restored_from=restored_from,
+                heal=None if heal is None else heal[:1024],
             )
             record = LayoutRecord(
                 self.journal(incarnation_id),
@@ -482,7 +485,7 @@ _INSERT_VERSION = (
     "fingerprints_digest) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_ROW = "INSERT INTO layout_rows (incarnation_id, layer, version, slots) VALUES (?, ?, ?, ?)"
-_INCARNATION_EXTRA = (*ORIGIN_COLUMNS, "checkpoint_digest", *RESTORED_FROM_COLUMNS)
+_INCARNATION_EXTRA = (*ORIGIN_COLUMNS, "checkpoint_digest", *RESTORED_FROM_COLUMNS, "heal")
 _INSERT_INCARNATION = (
     "INSERT INTO incarnations (started_at, config_fingerprint, daemon_label, num_layers, "
     "num_physical_slots, num_logical_experts, initial_map, initial_digest, "
@@ -501,6 +504,7 @@ def _insert_incarnation(
     origin: IncarnationOrigin,
     checkpoint_digest: str | None,
     restored_from: RestoredFrom | None,
+    heal: str | None,
 ) -> int:
     restored = (None,) * 4 if restored_from is None else dataclasses.astuple(restored_from)
     cursor = driver.execute(
@@ -517,6 +521,7 @@ def _insert_incarnation(
             *origin.to_row(),
             checkpoint_digest,
             *restored,
+            heal,
         ),
     )
     if cursor.lastrowid is None:

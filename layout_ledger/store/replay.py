@@ -228,6 +228,11 @@ def _replay_one(
         elif kind == ev.REPAIR:
             digest, layers = _recorded_version(stored, versions)
             record.repair_recorded(engine, layers, digest)
+        elif kind == ev.RELOAD:
+            digest, layers = _recorded_version(stored, versions)
+            record.reload_recorded(engine, layers, event.new_version, digest, event.reason)
+        elif kind in (ev.HEAL, ev.HEAL_FAILED):
+            record.heal_recorded(list(event.layers or ()), event.reason, kind == ev.HEAL_FAILED)
         elif kind == ev.CONTENT_DIRTY:
             _replay_content_dirty(record, stored)
         elif kind == ev.ABORT:

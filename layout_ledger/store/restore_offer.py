@@ -102,7 +102,7 @@ def _verified_offer(conn: Connection, inc: Incarnation) -> RestoreOffer:
         written = conn.execute(
             text(
                 "SELECT digest_after FROM events WHERE incarnation_id = :i AND new_version = :v "
-                "AND kind IN ('start', 'commit', 'repair') ORDER BY event_id DESC LIMIT 1"
+                f"AND kind IN ({chain.VERSIONED_SQL}) ORDER BY event_id DESC LIMIT 1"
             ),
             {"i": i, "v": version},
         ).scalar()

@@ -28,7 +28,7 @@ from sqlalchemy import (
 # Mixed versions: a writer upgrades an older file to this revision when it opens it; a file at
 # a revision not in KNOWN_REVISIONS was written by newer code and is refused by every opener,
 # read-only ones included, because its tables may no longer mean what this code assumes.
-SCHEMA_HEAD = "0008_restored_layouts"
+SCHEMA_HEAD = "0009_heals"
 KNOWN_REVISIONS = (
     "0001_initial",
     "0002_forensic_views",
@@ -38,6 +38,7 @@ KNOWN_REVISIONS = (
     "0006_engine_roles",
     "0007_fingerprint_digests",
     "0008_restored_layouts",
+    "0009_heals",
 )
 
 metadata = MetaData()
@@ -76,6 +77,9 @@ incarnations = Table(
     Column("restored_from_version", Integer),
     Column("restored_from_digest", Text),
     Column("restored_from_source", Text),
+    # Whether the incarnation could heal itself from its checkpoint: ``auto``, ``off`` or
+    # ``unavailable: REASON`` (decided at load); NULL for rows of older code (0009).
+    Column("heal", Text),
     CheckConstraint(
         "end_state IS NULL OR end_state IN ('clean', 'dirty', 'unknown')",
         name="ck_incarnations_end_state",

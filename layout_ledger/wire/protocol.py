@@ -39,10 +39,28 @@ CORDON = "expert_layout_cordon"
 UNCORDON = "expert_layout_uncordon"
 LEASE = "expert_layout_lease"
 RELEASE = "expert_layout_release"
+# Extensions: an engine alone on the daemon has it reload slots from its checkpoint into a new
+# map; an operator (or the daemon itself) heals a dirty daemon from its checkpoint.
+RELOAD = "expert_layout_reload"
+HEAL = "expert_layout_heal"
 FETCH_STATE = "fetch_state"
 
 LAYOUT_REQUEST_TYPES = frozenset(
-    {ATTACH, QUERY, BEGIN, COMMIT, ABORT, CONTENT_CHECK, REPAIR, CORDON, UNCORDON, LEASE, RELEASE}
+    {
+        ATTACH,
+        QUERY,
+        BEGIN,
+        COMMIT,
+        ABORT,
+        CONTENT_CHECK,
+        REPAIR,
+        CORDON,
+        UNCORDON,
+        LEASE,
+        RELEASE,
+        RELOAD,
+        HEAL,
+    }
 )
 
 # The role field of an attach request and of its ok reply (``core.state.ROLES``). A daemon from

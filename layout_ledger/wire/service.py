@@ -16,10 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from layout_ledger.core.content import LocalFingerprints
-from layout_ledger.core.errors import LedgerError, MoveBusy, RequestRefused
+from layout_ledger.core.errors import HealFailed, LedgerError, MoveBusy, RequestRefused
 from layout_ledger.core.record import EOF_DETACH, LayoutRecord
-from layout_ledger.core.rules import NO_CONTENT_RECORD
+from layout_ledger.core.reloads import ReloadFailed
+from layout_ledger.core.rules import NO_CONTENT_RECORD, lease_holders
 from layout_ledger.wire import protocol as msg
+from layout_ledger.wire.healing import Healing
 
 logger = logging.getLogger(__name__)
 
@@ -175,24 +177,54 @@ _NO_RECORD_STATUS = {
 
 
 class LayoutService:
-    """Answers the expert layout requests for one daemon (``record`` is None without a record)."""
+    """Answers the expert layout requests for one daemon (``record`` is None without a record).
 
-    def __init__(self, record: LayoutRecord | None, content: ContentSource | None = None) -> None:
+    ``healing``: the daemon's reloads from its checkpoint (``expert_layout_reload``,
+    ``expert_layout_heal`` and the heal it starts by itself); None: it cannot reload.
+    """
+
+    def __init__(
+        self,
+        record: LayoutRecord | None,
+        content: ContentSource | None = None,
+        healing: Healing | None = None,
+    ) -> None:
         self.record = record
         self.content = content
+        self.healing = (
+            healing
+            if healing is not None
+            else Healing.unavailable_because("this daemon has no checkpoint reloader")
+        )
+        self._own: dict[str, Callable[[LayoutRecord, Request], Reply]] = {
+            msg.RELOAD: self._reload,
+            msg.HEAL: self._heal,
+        }
 
     def handle(self, request: Request) -> Reply:
         """Answer one request whose ``type`` is in ``protocol.LAYOUT_REQUEST_TYPES``."""
         kind = request.get("type")
         transition = TRANSITIONS.get(kind) if isinstance(kind, str) else None
-        if transition is None:
+        own = self._own.get(kind) if isinstance(kind, str) else None
+        if transition is None and own is None:
             return msg.refusal_reply(msg.ERROR, f"not an expert layout request: {kind!r}")
         if self.record is None:
             return msg.refusal_reply(
                 _NO_RECORD_STATUS.get(str(kind), msg.REFUSED), NO_RECORD_REASON
             )
         try:
-            return transition(self.record, request, self.content)
+            if own is not None:
+                return own(self.record, request)
+            if transition is None:  # one of the two above; for the type checker
+                raise LedgerError(f"no transition for {kind!r}")
+            reply = transition(self.record, request, self.content)
+            if kind in (msg.COMMIT, msg.CONTENT_CHECK):
+                self.heal_if_safe()  # a commit or check that found content it does not expect
+            return reply
+        except (ReloadFailed, HealFailed) as exc:
+            return msg.refusal_reply(
+                msg.ERROR if isinstance(exc, ReloadFailed) else msg.REFUSED, str(exc)
+            )
         except MoveBusy as exc:
             return msg.refusal_reply(msg.BUSY, str(exc))
         except RequestRefused as exc:
@@ -234,3 +266,84 @@ class LayoutService:
             logger.info("engine %r detached", engine_id)
         else:
             logger.error("expert layout is now dirty: %s", mark.reason)
+        self.heal_if_safe()
+
+    # --- reloads from the checkpoint -------------------------------------------------------
+
+    def _reload(self, record: LayoutRecord, request: Request) -> Reply:
+        engine_id = request.get("engine_id")
+        healing = self.healing
+        version, _, report = record.reload(
+            engine_id,
+            base_version=request.get("base_version"),
+            version=request.get("version"),
+            digest=request.get("digest"),
+            physical_to_logical_map=request.get("physical_to_logical_map"),
+            reloader=healing.reloader,
+            cannot_reload=healing.cannot_reload,
+        )
+        logger.warning(
+            "engine %r had this daemon reload its slots from the checkpoint into version %d (%s)",
+            engine_id,
+            version,
+            "no local slot changed" if report is None else report.describe(),
+        )
+        return msg.layout_reply(msg.LayoutView.of(record.state()))
+
+    def _heal(self, record: LayoutRecord, request: Request) -> Reply:
+        report = record.heal(self.healing.reloader, self.healing.cannot_reload)
+        logger.warning(
+            "healed from the checkpoint as asked: %s; clean again at version %d",
+            report.describe(),
+            record.version,
+        )
+        return msg.layout_reply(msg.LayoutView.of(record.state()))
+
+    def heal_if_safe(self) -> bool:
+        """With heal ``auto``: heal a dirty daemon now (on its own thread, so the caller, an
+        attach watcher or a request, does not wait) when no live engine can be routing with the
+        slots it rewrites: no engine holds a lease, and, for a content mark, no non-following
+        fetch was served. Otherwise log that it waits for ``layout-ledger heal``. Returns
+        whether a heal started."""
+        record = self.record
+        healing = self.healing
+        if record is None or not healing.auto:
+            return False
+        with record.lock:
+            dirty = record.dirty
+            if dirty is None or record.pending is not None or healing.cannot_reload is not None:
+                return False
+            holders = lease_holders(record)
+            if holders or (dirty.content is not None and record.non_following_fetch):
+                why = (
+                    f"engines {', '.join(holders)} may be routing with its slots"
+                    if holders
+                    else "an engine that does not follow the layout fetched its weights"
+                )
+                logger.warning(
+                    "dirty, not healing by itself: %s; heal it with `layout-ledger heal SOCKET` "
+                    "once they are gone, or restart it",
+                    why,
+                )
+                return False
+        healing.start(self._auto_heal)
+        return True
+
+    def _auto_heal(self) -> None:
+        record = self.record
+        if record is None:
+            return
+        try:
+            report = record.heal(self.healing.reloader, self.healing.cannot_reload)
+        except HealFailed as exc:
+            logger.error("%s", exc)
+        except RequestRefused as exc:
+            logger.info("no heal: %s", exc)
+        except LedgerError as exc:
+            logger.error("the heal could not be recorded, the daemon stays dirty: %s", exc)
+        else:
+            logger.warning(
+                "healed itself from the checkpoint: %s; clean again at version %d",
+                report.describe(),
+                record.version,
+            )

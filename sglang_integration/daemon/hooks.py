@@ -28,10 +28,13 @@ from layout_ledger.core.record import LayoutRecord
 from layout_ledger.store.ledger import Ledger
 from layout_ledger.store.origin import IncarnationOrigin
 from layout_ledger.wire import protocol
+from layout_ledger.wire.healing import Healing
 from layout_ledger.wire.service import LayoutService
+from sglang_integration import settings
 from sglang_integration.content.model_slots import ModelSlots, model_slots
 from sglang_integration.daemon import ledger_paths
 from sglang_integration.daemon.attach_watcher import WatcherStopped
+from sglang_integration.daemon.checkpoint_reload import daemon_healing
 from sglang_integration.daemon.connections import BoundedConnection
 from sglang_integration.daemon.layout_choice import chosen_before_load
 from sglang_integration.daemon.layout_side import (
@@ -40,7 +43,7 @@ from sglang_integration.daemon.layout_side import (
     daemon_layout,
     set_daemon_layout,
 )
-from sglang_integration.daemon.placement import register_placement_hook
+from sglang_integration.daemon.placement import kept_model_config, register_placement_hook
 from sglang_integration.daemon.record_opening import (
     check_loaded_content,
     config_fingerprint,
@@ -200,12 +203,12 @@ def around_load(original_fn: Callable[..., Any], daemon: Any, *args: Any, **kwar
     request_timeout = REQUEST_TIMEOUT.read()  # a bad setting fails before the long load
     result = original_fn(daemon, *args, **kwargs)
     try:
-        ledger, record, slots = _open_record_after_load(daemon)
+        ledger, record, slots, healing = _open_record_after_load(daemon)
     except LedgerError as exc:
         # One line, no traceback: the daemon cannot keep a record it trusts, so it stops.
         logger.error("the expert layout ledger cannot be opened, the daemon stops: %s", exc)
         raise SystemExit(2) from None
-    set_daemon_layout(daemon, LayoutService(record, slots), ledger, request_timeout)
+    set_daemon_layout(daemon, LayoutService(record, slots, healing), ledger, request_timeout)
     return result
 
 
@@ -227,18 +230,18 @@ def _daemon_slots(daemon: Any, metadata: Any, mode: ContentCheck) -> ModelSlots 
 
 def _open_record_after_load(
     daemon: Any,
-) -> tuple[Ledger | None, LayoutRecord | None, ModelSlots | None]:
+) -> tuple[Ledger | None, LayoutRecord | None, ModelSlots | None, Healing | None]:
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
     from sglang.srt.platforms import current_platform
     from sglang.srt.runtime_context import get_exec
 
     if not get_exec().moe.enable_eplb:
         logger.info("started without --enable-eplb: this daemon keeps no expert layout record")
-        return None, None, None
+        return None, None, None, None
     metadata = get_global_expert_location_metadata()
     if metadata is None:
         logger.info("the model has no routed experts: this daemon keeps no expert layout record")
-        return None, None, None
+        return None, None, None, None
     initial_map: Map = metadata.physical_to_logical_map.cpu().tolist()
     geometry = Geometry(
         num_layers=int(metadata.num_layers),
@@ -247,6 +250,14 @@ def _open_record_after_load(
     )
     mode = content_check()
     slots = _daemon_slots(daemon, metadata, mode)
+    healing = daemon_healing(
+        daemon.model,
+        kept_model_config(daemon),
+        str(daemon.model_path),
+        slots,
+        initial_map,
+        mode=settings.HEAL.read().value,
+    )
     device_uuid = current_platform.get_device_uuid(daemon.gpu_id)
     label = (
         f"pid={os.getpid()} gpu={daemon.gpu_id} tp_rank={daemon.tp_rank} "
@@ -264,9 +275,10 @@ def _open_record_after_load(
             daemon_label=label,
             origin=daemon_origin(daemon, device_uuid),
             content=loaded_fingerprints(slots, mode),
+            heal=healing.describe(),
         )
         check_loaded_content(record, mode)
-        return ledger, record, slots if record.content is not None else None
+        return ledger, record, slots if record.content is not None else None, healing
     if initial_map != before.plan.physical_to_logical_map:
         before.opened.ledger.close()
         raise LedgerError(
@@ -283,8 +295,9 @@ def _open_record_after_load(
         origin=daemon_origin(daemon, device_uuid),
         content=loaded_fingerprints(slots, mode),
         mode=mode,
+        heal=healing.describe(),
     )
-    return before.opened.ledger, record, slots if record.content is not None else None
+    return before.opened.ledger, record, slots if record.content is not None else None, healing
 
 
 def daemon_origin(daemon: Any, device_uuid: str | None) -> IncarnationOrigin:

@@ -96,6 +96,16 @@ UPSTREAM_LINES = (
 )
 
 
+# The attribute of a WeightCacheDaemon that keeps the ModelConfig its load built (``load`` keeps
+# it in a local only): a heal or reload installs its metadata again (``checkpoint_reload``).
+_MODEL_CONFIG_ATTR = "_expert_layout_model_config"
+
+
+def kept_model_config(daemon: Any) -> Any:
+    """The ``ModelConfig`` the daemon's load built (None: the hook did not run)."""
+    return getattr(daemon, _MODEL_CONFIG_ATTR, None)
+
+
 def register_placement_hook() -> None:
     """Register ``around_initialize_metadata`` (applied by ``HookRegistry.apply_hooks``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -149,6 +159,7 @@ def around_initialize_metadata(
 
     if not get_exec().moe.enable_eplb:
         return original_fn(daemon, model_config, *args, **kwargs)
+    setattr(daemon, _MODEL_CONFIG_ATTR, model_config)  # a later reload places by it
     metadata = install_daemon_metadata(model_config)
     if metadata is None:
         return None  # no routed experts: no layout to restore

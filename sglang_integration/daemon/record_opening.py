@@ -47,6 +47,7 @@ def open_ledger_record(
     daemon_label: str,
     origin: IncarnationOrigin | None = None,
     content: LocalFingerprints | None = None,
+    heal: str | None = None,
 ) -> tuple[Ledger, LayoutRecord]:
     """Open the ledger (one writer) and start a new incarnation at version 0, recording where
     it runs (``origin``) and the slots' fingerprints (when the daemon records them)."""
@@ -59,6 +60,7 @@ def open_ledger_record(
             daemon_label=daemon_label,
             origin=origin,
             content=content,
+            heal=heal,
         )
     except BaseException:
         ledger.close()
@@ -77,6 +79,7 @@ def start_planned_record(
     origin: IncarnationOrigin | None,
     content: LocalFingerprints | None,
     mode: ContentCheck,
+    heal: str | None = None,
 ) -> LayoutRecord:
     """On a ledger opened before the load: the incarnation in the layout the load used (the
     restored version, or version 0), then the checks of what was loaded (the replicas, and
@@ -91,6 +94,7 @@ def start_planned_record(
             content=content,
             checkpoint_digest=checkpoint_digest,
             restored_from=restore.restored_from,
+            heal=heal,
         )
     except BaseException:
         ledger.close()

@@ -1,0 +1,238 @@
+"""Model-backed daemons heal from their checkpoint, and reload slots into a new map.
+
+One group of two model-backed daemons (sglang's own ``WeightCacheDaemon`` building a tiny
+Qwen3-MoE from its checkpoint, loaded by sglang's loader, the ranks in one gloo group) runs every
+case in turn on the same ledgers: an engine SIGKILLed mid-move with half-written and zero-filled
+slots (the daemons heal by themselves, every slot right against the checkpoint, at the same
+version), a move left while another engine is attached (no heal by itself; ``expert_layout_heal``
+heals it), ``expert_layout_reload`` into a new map (the version jumps, every slot right, verify
+clean) and its refusals (nothing changes but one ``reload_refused``). A restart then restores the
+reloaded version: the offer accepts the jump.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from layout_ledger.core.layout import layout_digest, trivial_map
+from layout_ledger.history.checks import collect_verify
+from layout_ledger.history.reader import LedgerReader
+from sglang_integration.testing.checkpoint import CheckpointSpec, write_checkpoint
+from sglang_integration.testing.checkpoint_experts import CheckpointExperts, count_matching
+from sglang_integration.testing.daemon_control import EngineStandIn, request
+from sglang_integration.testing.daemons import ModelDaemonGroup, start_model_daemons
+from sglang_integration.testing.routed_weights import attach_routed_weights
+
+pytestmark = pytest.mark.timeout(600)
+
+NUM_EXPERTS, NUM_REDUNDANT, NUM_LAYERS, RANKS = 8, 4, 3, 2
+SLOTS = NUM_EXPERTS + NUM_REDUNDANT
+LOCAL = SLOTS // RANKS
+INITIAL = trivial_map(NUM_LAYERS, SLOTS, NUM_EXPERTS)
+
+
+def _layout(group: ModelDaemonGroup, rank: int) -> dict[str, Any]:
+    layout: dict[str, Any] = request(group.socket(rank), {"type": "expert_layout_query"})["layout"]
+    return layout
+
+
+def _wait_clean(group: ModelDaemonGroup, rank: int, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        layout = _layout(group, rank)
+        if not layout["dirty"] or time.monotonic() > deadline:
+            return layout
+        time.sleep(0.05)
+
+
+def _right_slots(group: ModelDaemonGroup, checkpoint: Path, rank: int) -> int:
+    """How many of the rank's local slots hold, byte for byte, the checkpoint expert its map
+    names."""
+    routed = attach_routed_weights(group.socket(rank))
+    held = CheckpointExperts(checkpoint).judge_routed(
+        routed.routed_experts_weights_of_layer, routed.names, NUM_EXPERTS
+    )
+    the_map = _layout(group, rank)["physical_to_logical_map"]
+    return count_matching(held, the_map, rank * LOCAL)
+
+
+def _events(group: ModelDaemonGroup, rank: int) -> list[str]:
+    """The kinds of the latest incarnation's events, in order."""
+    with contextlib.closing(sqlite3.connect(f"file:{group.ledger(rank)}?mode=ro", uri=True)) as db:
+        rows = db.execute(
+            "SELECT kind FROM events WHERE incarnation_id = "
+            "(SELECT max(incarnation_id) FROM incarnations) ORDER BY event_id"
+        ).fetchall()
+    return [str(kind) for (kind,) in rows]
+
+
+def _verified(group: ModelDaemonGroup, rank: int) -> None:
+    with LedgerReader(group.ledger(rank)) as reader:
+        report = collect_verify(reader)
+    assert report.first_inconsistency is None, report
+
+
+def _spoil_mid_move(group: ModelDaemonGroup) -> None:
+    """What a move killed halfway leaves on rank 0: layer 1's slot 0 half-written (its first
+    half from slot 1), layer 2's slot 2 zero-filled."""
+    routed = attach_routed_weights(group.socket(0)).routed_experts_weights_of_layer
+    for tensor in routed[1]:
+        half = tensor.shape[1] // 2
+        tensor[0][:half].copy_(tensor[1][:half])
+    for tensor in routed[2]:
+        tensor[2].zero_()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("heal")
+    return write_checkpoint(
+        root / "checkpoint", CheckpointSpec(model="qwen3_moe", dtype="bf16", seed=7)
+    )
+
+
+@pytest.fixture(scope="module")
+def group(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelDaemonGroup]:
+    run = tmp_path_factory.mktemp("heal-run")
+    started = start_model_daemons(
+        run, checkpoint, ep_size=RANKS, num_redundant_experts=NUM_REDUNDANT, model="qwen3_moe"
+    )
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def test_a_daemon_left_mid_move_with_half_written_slots_heals_itself_at_its_version(
+    group: ModelDaemonGroup, checkpoint: Path
+) -> None:
+    before = [_layout(group, rank) for rank in range(RANKS)]
+    engines = [EngineStandIn.start(group.socket(rank), "engine-a") for rank in range(RANKS)]
+    for engine in engines:
+        assert engine.begin(before[0]["version"], [1, 2]).ok
+    _spoil_mid_move(group)
+    assert _right_slots(group, checkpoint, 0) < NUM_LAYERS * LOCAL
+    for engine in engines:
+        engine.kill()
+    for rank in range(RANKS):
+        healed = _wait_clean(group, rank)
+        assert not healed["dirty"], healed["dirty_reason"]
+        assert (healed["version"], healed["digest"]) == (
+            before[rank]["version"],
+            before[rank]["digest"],
+        )
+        assert _right_slots(group, checkpoint, rank) == NUM_LAYERS * LOCAL
+        kinds = _events(group, rank)
+        assert kinds[-2:] == ["dirty", "heal"]
+    assert "healed itself from the checkpoint: 2 layers [1, 2], 12 slots" in group.log(0)
+
+
+def test_a_daemon_another_engine_may_route_with_waits_to_be_asked_to_heal(
+    group: ModelDaemonGroup, checkpoint: Path
+) -> None:
+    version = _layout(group, 0)["version"]
+    other = EngineStandIn.start(group.socket(0), "engine-b")
+    mover = EngineStandIn.start(group.socket(0), "engine-a")
+    try:
+        # begin is busy while engine-b is attached, so leave the move by a content change
+        _spoil_mid_move(group)
+        check = request(group.socket(0), {"type": "expert_layout_content_check"})
+        assert check["content"]["dirty"]
+        time.sleep(0.5)
+        assert _layout(group, 0)["dirty"]  # engine-b may route with the slots: no heal
+        assert "dirty, not healing by itself: engines engine-b, engine-a may be routing" in (
+            group.log(0).replace("engine-a, engine-b", "engine-b, engine-a")
+        )
+        reply = request(group.socket(0), {"type": "expert_layout_heal"}, timeout=60)
+        assert reply["status"] == "ok", reply
+        assert not reply["layout"]["dirty"]
+        assert reply["layout"]["version"] == version
+        assert _right_slots(group, checkpoint, 0) == NUM_LAYERS * LOCAL
+        refused = request(group.socket(0), {"type": "expert_layout_heal"})
+        assert refused == {
+            "status": "refused",
+            "reason": "this daemon's expert layout is known (it is not dirty); there is "
+            "nothing to heal",
+        }
+    finally:
+        mover.exit()
+        other.exit()
+
+
+def _reload(group: ModelDaemonGroup, rank: int, base: int, version: int, the_map: Any) -> Any:
+    return request(
+        group.socket(rank),
+        {
+            "type": "expert_layout_reload",
+            "engine_id": "engine-r",
+            "base_version": base,
+            "version": version,
+            "digest": layout_digest(the_map),
+            "physical_to_logical_map": the_map,
+        },
+        timeout=60,
+    )
+
+
+def test_a_reload_puts_the_checkpoint_into_a_new_map_and_jumps_the_version(
+    group: ModelDaemonGroup, checkpoint: Path
+) -> None:
+    new_map = [list(row) for row in INITIAL]
+    new_map[1][0], new_map[1][1], new_map[1][LOCAL] = 3, 0, 1  # rank 0 and rank 1 slots
+    new_map[2][5] = 7
+    engines = [EngineStandIn.start(group.socket(rank), "engine-r") for rank in range(RANKS)]
+    try:
+        for rank in range(RANKS):
+            base = _layout(group, rank)["version"]
+            reply = _reload(group, rank, base, base + 5, new_map)
+            assert reply["status"] == "ok", reply
+            layout = reply["layout"]
+            assert (layout["version"], layout["digest"]) == (base + 5, layout_digest(new_map))
+            assert layout["physical_to_logical_map"] == new_map
+            assert not layout["dirty"]
+            assert _right_slots(group, checkpoint, rank) == NUM_LAYERS * LOCAL
+            assert _events(group, rank)[-2:] == ["begin", "reload"]
+            _verified(group, rank)
+    finally:
+        for engine in engines:
+            engine.exit()
+
+
+def test_a_refused_reload_changes_nothing_but_its_one_event(group: ModelDaemonGroup) -> None:
+    engine = EngineStandIn.start(group.socket(0), "engine-r")
+    other = EngineStandIn.start(group.socket(0), "engine-x")
+    try:
+        before = _layout(group, 0)
+        kinds = _events(group, 0)
+        new_map = [list(row) for row in before["physical_to_logical_map"]]
+        new_map[0][0], new_map[0][1] = new_map[0][1], new_map[0][0]
+        reply = _reload(group, 0, before["version"], before["version"] + 1, new_map)
+        assert reply["status"] == "refused"
+        assert "other engines are attached to this daemon (engine-x)" in reply["reason"]
+        other.exit()
+        time.sleep(0.3)
+        bad = dict(
+            type="expert_layout_reload",
+            engine_id="engine-r",
+            base_version=before["version"],
+            version=before["version"] + 1,
+            digest="0" * 64,
+            physical_to_logical_map=new_map,
+        )
+        reply = request(group.socket(0), bad)
+        assert reply["status"] == "refused"
+        assert reply["reason"].startswith("digest is not the layout digest")
+        after = _layout(group, 0)
+        assert (after["version"], after["digest"]) == (before["version"], before["digest"])
+        new = _events(group, 0)[len(kinds) :]
+        assert new == ["reload_refused", "detach", "reload_refused"]
+    finally:
+        engine.exit()
+        other.exit()
