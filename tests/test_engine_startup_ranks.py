@@ -232,7 +232,10 @@ def test_daemons_no_daemon_can_bring_to_the_newest_fail_every_rank_naming_ranks_
         f"{layout_digest(after(FIRST_MOVE, SECOND_MOVE))[:12]}, the newest any of them "
         "committed) failed at the reload: "
     )
-    assert f"rank 0 (daemon {started[0].socket_path}, at version 0): reload refused" in error
+    assert (
+        f"rank 0 (daemon {started[0].socket_path}, at version 0): reload refused: this daemon "
+        "cannot reload from its checkpoint: this daemon has no checkpoint reloader"
+    ) in error
     for report in reports:
         assert report["session"] is None
         assert report["map"] == INITIAL  # nothing adopted

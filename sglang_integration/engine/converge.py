@@ -244,7 +244,7 @@ def _reload(
         )
         reply = _small(
             _safely(
-                lambda: _send_reload(
+                lambda: client.reload(
                     this.socket_path,
                     this.engine_id,
                     base_version=step.version,
@@ -258,14 +258,6 @@ def _reload(
     if not problems:
         return None
     return FailStartup(_failure(plan, "the reload", problems))
-
-
-def _send_reload(socket_path: str, engine_id: str, **fields: Any) -> Reply:
-    reload = getattr(client, "reload", None)
-    if reload is None:
-        return Reply(Outcome.REFUSED, "this engine cannot send expert_layout_reload")
-    reply: Reply = reload(socket_path, engine_id, **fields)
-    return reply
 
 
 def _read_again(
