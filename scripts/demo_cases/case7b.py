@@ -57,6 +57,14 @@ def run_case7b(workspace: Workspace) -> CaseResult:
         [(x.version, x.dirty) for x in layouts] == [(version + 1, False), (version, False)],
     )
     before = [x.digest for x in layouts]
+    kinds = _events_of(daemons[1].ledger_path, None)[-3:]
+    back = "heal" if workspace.model_backed else "restore"
+    result.check(
+        "rank 1's ledger before B: its last events",
+        f"... {back} ...",
+        ", ".join(kinds),
+        back in kinds,
+    )
     b_versions, way = _engine_b_converges(
         workspace, result, daemons, experts, (version + 1, newest)
     )
@@ -143,10 +151,9 @@ def _engine_b_converges(
     return b_versions, way
 
 
-def _events_of(ledger: str, engine_id: str) -> list[str]:
-    """The kinds of an engine's events in a ledger, in order."""
+def _events_of(ledger: str, engine_id: str | None) -> list[str]:
+    """The kinds of an engine's events in a ledger (every event: None), in order."""
+    query = "SELECT kind FROM ledger_events WHERE ? IS NULL OR engine_id = ? ORDER BY event_id"
     with sqlite3.connect(f"file:{ledger}?mode=ro", uri=True) as conn:
-        rows = conn.execute(
-            "SELECT kind FROM ledger_events WHERE engine_id = ? ORDER BY event_id", (engine_id,)
-        ).fetchall()
+        rows = conn.execute(query, (engine_id, engine_id)).fetchall()
     return [str(kind) for (kind,) in rows]
