@@ -13,7 +13,10 @@ reloaded version: the offer accepts the jump.
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +53,11 @@ def _wait_clean(group: ModelDaemonGroup, rank: int, timeout: float = 60.0) -> di
         if not layout["dirty"] or time.monotonic() > deadline:
             return layout
         time.sleep(0.05)
+
+
+def _all_slots(group: ModelDaemonGroup) -> int:
+    """A rank's local slots over its MoE layers (DeepSeek-V3's first layer is dense)."""
+    return len(attach_routed_weights(group.socket(0)).routed_experts_weights_of_layer) * LOCAL
 
 
 def _right_slots(group: ModelDaemonGroup, checkpoint: Path, rank: int) -> int:
@@ -90,19 +98,28 @@ def _spoil_mid_move(group: ModelDaemonGroup) -> None:
         tensor[2].zero_()
 
 
+# Each model with the dtype it is released in: DeepSeek-V3's experts carry FP8 block scales.
+MODELS = {"qwen3_moe": "bf16", "deepseek_v3": "fp8_block"}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint(model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("heal")
-    return write_checkpoint(
-        root / "checkpoint", CheckpointSpec(model="qwen3_moe", dtype="bf16", seed=7)
-    )
+    return write_checkpoint(root / "checkpoint", CheckpointSpec(model, MODELS[model], seed=7))
 
 
 @pytest.fixture(scope="module")
-def group(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelDaemonGroup]:
+def group(
+    model: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ModelDaemonGroup]:
     run = tmp_path_factory.mktemp("heal-run")
     started = start_model_daemons(
-        run, checkpoint, ep_size=RANKS, num_redundant_experts=NUM_REDUNDANT, model="qwen3_moe"
+        run, checkpoint, ep_size=RANKS, num_redundant_experts=NUM_REDUNDANT, model=model
     )
     try:
         yield started
@@ -118,7 +135,7 @@ def test_a_daemon_left_mid_move_with_half_written_slots_heals_itself_at_its_vers
     for engine in engines:
         assert engine.begin(before[0]["version"], [1, 2]).ok
     _spoil_mid_move(group)
-    assert _right_slots(group, checkpoint, 0) < NUM_LAYERS * LOCAL
+    assert _right_slots(group, checkpoint, 0) < _all_slots(group)
     for engine in engines:
         engine.kill()
     for rank in range(RANKS):
@@ -128,10 +145,19 @@ def test_a_daemon_left_mid_move_with_half_written_slots_heals_itself_at_its_vers
             before[rank]["version"],
             before[rank]["digest"],
         )
-        assert _right_slots(group, checkpoint, rank) == NUM_LAYERS * LOCAL
+        assert _right_slots(group, checkpoint, rank) == _all_slots(group)
         kinds = _events(group, rank)
         assert kinds[-2:] == ["dirty", "heal"]
     assert "healed itself from the checkpoint: 2 layers [1, 2], 12 slots" in group.log(0)
+    status = subprocess.run(
+        [str(Path(sys.executable).parent / "layout-ledger"), "status", group.ledger(0), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    healing = json.loads(status.stdout)["ledgers"][0]["heal"]
+    assert healing == {"mode": "auto", "available": True, "reason": None}
 
 
 def test_a_daemon_another_engine_may_route_with_waits_to_be_asked_to_heal(
@@ -150,11 +176,23 @@ def test_a_daemon_another_engine_may_route_with_waits_to_be_asked_to_heal(
         assert "dirty, not healing by itself: engines engine-b, engine-a may be routing" in (
             group.log(0).replace("engine-a, engine-b", "engine-b, engine-a")
         )
-        reply = request(group.socket(0), {"type": "expert_layout_heal"}, timeout=60)
-        assert reply["status"] == "ok", reply
-        assert not reply["layout"]["dirty"]
-        assert reply["layout"]["version"] == version
-        assert _right_slots(group, checkpoint, 0) == NUM_LAYERS * LOCAL
+        cli = subprocess.run(
+            [str(Path(sys.executable).parent / "layout-ledger"), "heal", group.socket(0)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        digest = _layout(group, 0)["digest"]
+        assert cli.stderr == ""
+        assert (cli.returncode, cli.stdout) == (
+            0,
+            f"{group.socket(0)}: healed from its checkpoint: clean at version {version} "
+            f"(digest {digest[:12]})\n",
+        )
+        assert not _layout(group, 0)["dirty"]
+        assert _right_slots(group, checkpoint, 0) == _all_slots(group)
+        assert _events(group, 0)[-2:] == ["content_dirty", "heal"]
         refused = request(group.socket(0), {"type": "expert_layout_heal"})
         assert refused == {
             "status": "refused",
@@ -197,7 +235,7 @@ def test_a_reload_puts_the_checkpoint_into_a_new_map_and_jumps_the_version(
             assert (layout["version"], layout["digest"]) == (base + 5, layout_digest(new_map))
             assert layout["physical_to_logical_map"] == new_map
             assert not layout["dirty"]
-            assert _right_slots(group, checkpoint, rank) == NUM_LAYERS * LOCAL
+            assert _right_slots(group, checkpoint, rank) == _all_slots(group)
             assert _events(group, rank)[-2:] == ["begin", "reload"]
             _verified(group, rank)
     finally:
@@ -236,3 +274,94 @@ def test_a_refused_reload_changes_nothing_but_its_one_event(group: ModelDaemonGr
     finally:
         engine.exit()
         other.exit()
+
+
+def _swap_experts_in_file(shard: Path, layer: int, first: int, second: int) -> None:
+    """Experts ``first`` and ``second`` of ``layer`` trade their tensors in ``shard`` (the index
+    and the shapes stay as they were: the checkpoint's weights changed under the same names)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(shard))
+    a, b = (
+        f"model.layers.{layer}.mlp.experts.{first}.",
+        f"model.layers.{layer}.mlp.experts.{second}.",
+    )
+    swapped = dict(tensors)
+    for name in tensors:
+        if name.startswith(a):
+            swapped[name] = tensors[b + name.removeprefix(a)]
+            swapped[b + name.removeprefix(a)] = tensors[name]
+    save_file(swapped, str(shard), metadata={"format": "pt"})
+
+
+def _heal_failed_reason(group: ModelDaemonGroup, rank: int) -> str:
+    with contextlib.closing(sqlite3.connect(f"file:{group.ledger(rank)}?mode=ro", uri=True)) as db:
+        row = db.execute(
+            "SELECT reason FROM events WHERE kind = 'heal_failed' ORDER BY event_id DESC LIMIT 1"
+        ).fetchone()
+    return "" if row is None else str(row[0])
+
+
+def test_a_heal_leaves_the_daemon_dirty_while_the_checkpoint_is_missing_or_changed(
+    group: ModelDaemonGroup, checkpoint: Path
+) -> None:
+    shard = checkpoint / "model-00002-of-00002.safetensors"  # odd layers' tensors
+    original = shard.read_bytes()
+    version = _layout(group, 0)["version"]
+    try:
+        shard.unlink()
+        _spoil_mid_move(group)
+        request(group.socket(0), {"type": "expert_layout_content_check"})
+        deadline = time.monotonic() + 60
+        while "heal_failed" not in _events(group, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _events(group, 0)[-2:] == ["content_dirty", "heal_failed"]
+        assert f"the checkpoint file {shard} cannot be read" in _heal_failed_reason(group, 0)
+        assert _layout(group, 0)["dirty"]
+
+        shard.write_bytes(original)
+        held = _layout(group, 0)["physical_to_logical_map"][1][0]
+        _swap_experts_in_file(shard, 1, held, (held + 1) % NUM_EXPERTS)
+        reply = request(group.socket(0), {"type": "expert_layout_heal"}, timeout=60)
+        assert reply["status"] == "refused"
+        assert (
+            "after the reload, slots still differ from the record: layer 1 slot 0"
+            in (reply["reason"])
+        )
+        assert _layout(group, 0)["dirty"]
+
+        shard.write_bytes(original)
+        reply = request(group.socket(0), {"type": "expert_layout_heal"}, timeout=60)
+        assert reply["status"] == "ok", reply
+        assert (reply["layout"]["dirty"], reply["layout"]["version"]) == (False, version)
+        assert _right_slots(group, checkpoint, 0) == _all_slots(group)
+        assert _events(group, 0)[-4:] == ["content_dirty", "heal_failed", "heal_failed", "heal"]
+        _verified(group, 0)
+    finally:
+        shard.write_bytes(original)
+
+
+def test_a_restart_after_a_reload_restores_the_version_it_jumped_to(
+    group: ModelDaemonGroup, checkpoint: Path, model: str
+) -> None:
+    before = [_layout(group, rank) for rank in range(RANKS)]
+    assert group.stop() == [0, 0]
+    again = start_model_daemons(
+        Path(group.spec.run_dir),
+        checkpoint,
+        ep_size=RANKS,
+        num_redundant_experts=NUM_REDUNDANT,
+        model=model,
+    )
+    try:
+        for rank in range(RANKS):
+            layout = _layout(again, rank)
+            assert (layout["version"], layout["digest"]) == (
+                before[rank]["version"],
+                before[rank]["digest"],
+            )
+            assert layout["restored_from"]["version"] == before[rank]["version"]
+            assert _right_slots(again, checkpoint, rank) == _all_slots(again)
+            _verified(again, rank)
+    finally:
+        assert again.stop() == [0, 0]

@@ -1,4 +1,5 @@
-"""The CLI's one way to write: a request over a daemon's control socket (``cordon``, ``uncordon``).
+"""The CLI's one way to write: a request over a daemon's control socket (``cordon``, ``uncordon``,
+``heal``).
 
 sglang's framing, as ``sglang.srt.weight_cache.protocol.send_msg``/``recv_msg`` frame it: a
 4-byte big-endian length and one pickled dict each way; written here so that the CLI imports no
@@ -14,9 +15,9 @@ import io
 import pickle
 import socket
 import struct
-from typing import Any
+from typing import Any, Protocol
 
-from layout_ledger.wire.protocol import CordonRequest, Outcome, Reply, UncordonRequest
+from layout_ledger.wire.protocol import Outcome, Reply
 from layout_ledger.wire.socket_node import socket_node_problem
 
 # Seconds for the connect, the send and the reply; the daemon answers within its own request
@@ -36,9 +37,13 @@ class _PlainUnpickler(pickle.Unpickler):
         )
 
 
-def ask(
-    socket_path: str, request: CordonRequest | UncordonRequest, timeout: float = TIMEOUT
-) -> Reply:
+class WireRequest(Protocol):
+    """A request the CLI sends (``protocol.CordonRequest``, ``UncordonRequest``, ...)."""
+
+    def to_wire(self) -> dict[str, Any]: ...
+
+
+def ask(socket_path: str, request: WireRequest, timeout: float = TIMEOUT) -> Reply:
     """Send ``request`` to the daemon at ``socket_path`` and read its one reply (never raises:
     a socket that is not there is ``NO_DAEMON``, one that cannot be read ``UNREACHABLE``)."""
     wire = request.to_wire()

@@ -29,7 +29,7 @@ _HOLDERS = {
 def _holder(verb: str) -> tuple[str, bool]:
     if verb == "diff":  # [LEDGER] V1 V2 (parser._diff_operands)
         return "ledger", False
-    if verb in ("cordon", "uncordon"):
+    if verb in ("cordon", "uncordon", "heal"):
         return "targets", True
     shared, _ = VERB_OPTIONS[verb]
     (option,) = (option for option in shared if option in _HOLDERS)

@@ -537,6 +537,8 @@ COMMANDS: dict[str, str] = {
     "cordon": "ask daemons to answer every begin busy (no move begins) until uncordon; a daemon "
     "restart clears it",
     "uncordon": "lift a cordon: engines may begin moves again",
+    "heal": "ask dirty daemons to reload their dirty layers from their checkpoint and be clean "
+    "again at the same version",
     "retire": "stop counting a ledger whose GPU is gone for good (fleet, metrics, alerts); "
     "recorded beside it, undone by unretire",
     "unretire": "count a retired ledger again",
@@ -558,6 +560,7 @@ VERB_OPTIONS: dict[str, tuple[tuple[str, ...], OptionAdder | None]] = {
     "backup": (("ledgers", "json"), _backup_options),
     "cordon": (("json",), _cordon_options),
     "uncordon": (("json",), _cordon_targets),
+    "heal": (("json",), _cordon_targets),
     "retire": (("paths", "json"), _retire_options),
     "unretire": (("paths", "json"), None),
 }
@@ -607,6 +610,7 @@ VERB_EXAMPLES: dict[str, tuple[str, ...]] = {
     "backup": ("layout-ledger backup /backups/today/", "layout-ledger backup LEDGER /backups/"),
     "cordon": ('layout-ledger cordon --reason "engine upgrade"',),
     "uncordon": ("layout-ledger uncordon",),
+    "heal": ("layout-ledger heal", "layout-ledger heal /tmp/sglang_weight_cache_GPU-0000.sock"),
     "retire": ('layout-ledger retire LEDGER --reason "GPU 3 replaced"',),
     "unretire": ("layout-ledger unretire LEDGER",),
 }
@@ -677,6 +681,12 @@ VERB_EXIT_CODES: dict[str, tuple[tuple[int, str], ...]] = {
         (2, _BAD),
         (6, "a daemon does not run"),
     ),
+    "heal": (
+        (0, "every daemon healed"),
+        (1, "a daemon refused (not dirty, heal unavailable, the heal failed) or could not be read"),
+        (2, _BAD),
+        (6, "a daemon does not run"),
+    ),
     "retire": ((0, "retired (or already)"), (1, "a ledger's daemon may run"), (2, _BAD)),
     "unretire": ((0, "counted again (or already)"), (2, _BAD)),
 }
@@ -706,7 +716,7 @@ EPILOG = (
     "ledger file; 3 (status, fleet) dirty, (export) refused: dirty; 4 (status) move pending or "
     "recent refusals, (fleet) a move pending, (export) refused: a move pending; 5 verify or "
     "export --check found an inconsistency, prune refused a ledger that fails verify, or "
-    "(fleet) the ledgers disagree; 6 (status, fleet, cordon) the daemon "
+    "(fleet) the ledgers disagree; 6 (status, fleet, cordon, heal) the daemon "
     "does not run; 7 (fleet --ready-to-stop) not ready; 130 interrupted"
 )
 

@@ -38,6 +38,7 @@ from layout_ledger.core.errors import (
 )
 from layout_ledger.core.layout import Geometry, Map, digest_of_row_jsons, row_json
 from layout_ledger.core.reloads import (
+    ReloadFailed,
     ReloadReport,
     SlotReloader,
     all_local_slots,
@@ -723,9 +724,13 @@ class LayoutRecord:
             layers = tuple(
                 i for i, (a, b) in enumerate(zip(old_map, new_map, strict=True)) if a != b
             )
-            slots = changed_local_slots(
-                old_map, new_map, recorded.first_slot, rules.local_slot_count(recorded)
-            )
+            slots = {  # only layers with routed-expert tensors (a dense layer has none)
+                layer: changed
+                for layer, changed in changed_local_slots(
+                    old_map, new_map, recorded.first_slot, rules.local_slot_count(recorded)
+                ).items()
+                if layer in recorded.layers
+            }
             move = PendingMove(valid_id, layers, base_version, self._clock())
             if layers:
                 self.journal.append([_move_event(ev.BEGIN, move, str(move.since))])
@@ -779,7 +784,7 @@ class LayoutRecord:
                 f"a reload to version {version} failed ({exc}); its slots may be half-written: "
                 f"fix the cause, then `layout-ledger heal`, or restart the daemon",
             )
-        raise LedgerError(f"the reload failed: {exc}") from exc
+        raise ReloadFailed(f"the reload failed: {exc}") from exc
 
     def reload_recorded(
         self, engine_id: Any, layers: Sequence[int], new_version: Any, digest: str, reason: Any

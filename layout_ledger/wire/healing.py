@@ -18,6 +18,8 @@ from layout_ledger.core.reloads import SlotReloader
 HEAL_AUTO = "auto"
 HEAL_OFF = "off"
 HEAL_MODES = (HEAL_AUTO, HEAL_OFF)
+# ``incarnations.heal`` of a daemon that cannot reload: this prefix, then why.
+HEAL_UNAVAILABLE = "unavailable: "
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Healing:
     def describe(self) -> str:
         """``auto``, ``off``, or ``unavailable: REASON`` (the ledger's ``incarnations.heal``)."""
         if self.cannot_reload is not None:
-            return f"unavailable: {self.cannot_reload}"
+            return HEAL_UNAVAILABLE + self.cannot_reload
         return self.mode
 
     def start(self, heal: Callable[[], None]) -> None:

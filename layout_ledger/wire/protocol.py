@@ -500,6 +500,14 @@ class UncordonRequest:
 
 
 @dataclass(frozen=True)
+class HealRequest:
+    """Heal a dirty daemon from its checkpoint now (``layout-ledger heal``; no field)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": HEAL}
+
+
+@dataclass(frozen=True)
 class CordonView:
     """The ``cordon`` field of an ``ok`` reply to cordon and uncordon: whether the daemon is
     cordoned now, since when and why (``since`` and ``reason`` None when it is not)."""
@@ -726,8 +734,8 @@ class Reply:
     def _read_ok(
         cls, raw: Mapping[str, Any], reason: str | None, *, request_type: str, peer: str
     ) -> Reply:
-        """An ``ok`` reply: attach and query carry a valid layout, commit and repair a version and
-        digest, a content check a valid content."""
+        """An ``ok`` reply: attach, query, reload and heal carry a valid layout, commit and
+        repair a version and digest, a content check a valid content."""
         layout = None
         if "layout" in raw:
             try:
@@ -739,7 +747,7 @@ class Reply:
                     f"{request_type}: {exc}",
                     raw,
                 )
-        elif request_type in (ATTACH, QUERY):
+        elif request_type in (ATTACH, QUERY, RELOAD, HEAL):
             return cls(
                 Outcome.ERROR,
                 f"the daemon at {peer} answered {request_type} ok without a layout",

@@ -44,6 +44,7 @@ from layout_ledger.store.rows import (
     map_at,
     reconstructible_from,
 )
+from layout_ledger.wire.healing import HEAL_UNAVAILABLE
 
 # Refusals make ``state: refusals`` (exit 4) only while the newest of them is this recent: a
 # refusal is a symptom to look at now, and a health check must not stay failed for the rest of
@@ -158,6 +159,10 @@ class StatusReport(JsonShaped):
     restored_from: RestoredFrom | None = field(
         default=None, metadata=json_field(convert=_restored_json)
     )
+    # Whether the incarnation heals itself from its checkpoint (``incarnations.heal``):
+    # {"mode": "auto" | "off" | None, "available": bool, "reason": str | None}; None: not
+    # recorded (a ledger or daemon from before heals).
+    heal: dict[str, Any] | None = None
     # When it was collected: the text says how long ago each time it shows was.
     observed_at: datetime.datetime | None = field(default=None, metadata=json_field(omit=True))
 
@@ -255,8 +260,22 @@ def collect_status(
             retired=current_retirement(ledger.path, i) if is_latest else None,
             tied_experts=_tied_experts(conn, inc, version),
             restored_from=inc.restored_from,
+            heal=_heal(conn, i),
             observed_at=observed_at,
         )
+
+
+def _heal(conn: Any, incarnation_id: int) -> dict[str, Any] | None:
+    """``incarnations.heal`` as the status shows it (revision 0009)."""
+    raw = conn.execute(
+        text("SELECT heal FROM incarnations WHERE incarnation_id = :i"), {"i": incarnation_id}
+    ).scalar()
+    if raw is None:
+        return None
+    said = str(raw)
+    if said.startswith(HEAL_UNAVAILABLE):
+        return {"mode": None, "available": False, "reason": said.removeprefix(HEAL_UNAVAILABLE)}
+    return {"mode": said, "available": True, "reason": None}
 
 
 def _tied_experts(conn: Any, inc: Incarnation, version: int) -> dict[int, list[tuple[int, ...]]]:
@@ -473,6 +492,14 @@ def _optional_rows(report: StatusReport) -> list[tuple[str, str]]:
                 f"at its start",
             )
         )
+    if report.heal is not None:
+        heal = report.heal
+        if not heal["available"]:
+            rows.append(("heal", f"unavailable: {heal['reason']}"))
+        elif heal["mode"] == "off":
+            rows.append(("heal", "off (a dirty daemon heals only when asked: layout-ledger heal)"))
+        else:
+            rows.append(("heal", f"{heal['mode']} (a dirty daemon reloads its dirty layers)"))
     if report.busy_begins:
         rows.append(("busy begins", f"{report.busy_begins} (answered busy, not refused)"))
     if report.cordon is not None:

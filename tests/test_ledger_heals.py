@@ -1,0 +1,264 @@
+"""Heals and reloads in the ledger: the rules of ``LayoutRecord.heal`` and ``.reload`` on a real
+SQLite file, replayed by the reader and checked by ``verify``.
+
+The slots are ``content_support.Slots`` (fingerprints per slot, as the other ledger tests use)
+and the reload is ``CheckpointSlots``: what a reload from the checkpoint leaves (each slot the
+checkpoint expert its map names). The model-backed daemons reload through sglang's own loader
+(tests/test_model_heal.py); here every rule of the record is checked on its own.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping, Sequence
+
+import pytest
+from alembic import command
+from content_support import Slots, expert_fingerprint
+from ledger_support import SMALL, open_ledger
+from sqlalchemy import create_engine
+from test_ledger_content import _agree, _dirty_by_a_mover, _start
+
+from layout_ledger.core import errors
+from layout_ledger.core.layout import layout_digest
+from layout_ledger.core.reloads import ReloadFailed, ReloadReport
+from layout_ledger.store.migrate import alembic_config
+
+
+class CheckpointSlots:
+    """A reload from the checkpoint: each slot asked for gets the expert the map names (or,
+    ``wrong``, another one: a checkpoint whose weights changed)."""
+
+    def __init__(self, slots: Slots, wrong: bool = False, fail: BaseException | None = None):
+        self.slots, self.wrong, self.fail = slots, wrong, fail
+        self.calls: list[dict[int, list[int]]] = []
+
+    def __call__(
+        self, physical_to_logical_map: Sequence[Sequence[int]], slots: Mapping[int, Sequence[int]]
+    ) -> ReloadReport:
+        self.calls.append({layer: list(chosen) for layer, chosen in slots.items()})
+        if self.fail is not None:
+            raise self.fail
+        for layer, chosen in slots.items():
+            for slot in chosen:
+                expert = int(physical_to_logical_map[layer][slot])
+                if self.wrong:
+                    expert = (expert + 1) % SMALL.num_logical_experts
+                self.slots.move(layer, slot, expert)
+        layers = tuple(sorted(slots))
+        return ReloadReport(
+            layers, sum(map(len, slots.values())), 100, 0.01, self.slots.fingerprints(layers)
+        )
+
+
+def _new_map(record) -> list[list[int]]:
+    the_map = [list(row) for row in record.physical_to_logical_map()]
+    the_map[2][0], the_map[2][1] = the_map[2][1], the_map[2][0]
+    the_map[5][3] = 7
+    return the_map
+
+
+def _kinds(ledger, record) -> list[str]:
+    with ledger.transaction("reading") as conn:
+        rows = conn.exec_driver_sql(
+            "SELECT kind FROM events WHERE incarnation_id = ? ORDER BY event_id",
+            (record.incarnation_id,),
+        ).fetchall()
+    return [str(kind) for (kind,) in rows]
+
+
+def test_a_reload_jumps_from_base_version_to_version_and_replays_and_verifies(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    reloader = CheckpointSlots(slots)
+    record.attach("E")
+    new_map = _new_map(record)
+    version, digest, report = record.reload(
+        "E",
+        base_version=0,
+        version=7,
+        digest=layout_digest(new_map),
+        physical_to_logical_map=new_map,
+        reloader=reloader,
+    )
+    assert (version, digest) == (7, layout_digest(new_map))
+    assert reloader.calls == [{2: [0, 1], 5: [3]}]  # only the slots whose expert differs
+    assert report is not None and report.slots == 3
+    assert record.physical_to_logical_map() == new_map
+    assert record.dirty is None and record.pending is None
+    assert _kinds(ledger, record)[-3:] == ["attach", "begin", "reload"]
+    _agree(ledger, record, "after the reload")
+    record.attach("F")  # the next move goes on from the jumped version
+    record.detach("E")
+    record.begin("F", 7, [1])
+    record.commit("F", {1: new_map[1]}, slots.fingerprints)
+    assert record.version == 8
+    _agree(ledger, record, "after a commit on the jumped version")
+    ledger.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"digest": "0" * 64}, "digest is not the layout digest of physical_to_logical_map"),
+        ({"version": 0}, "version must be an int above base_version 0, got 0"),
+        ({"base_version": 3}, "base_version 3 is not the current version 0"),
+        ({"engine_id": "G"}, "engine 'G' is not attached"),
+        ({"physical_to_logical_map": [[0]]}, "the map has 1 layers; expected 8"),
+    ],
+)
+def test_a_refused_reload_changes_nothing_and_appends_only_reload_refused(tmp_path, change, reason):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    reloader = CheckpointSlots(slots)
+    record.attach("E")
+    new_map = _new_map(record)
+    fields = {
+        "engine_id": "E",
+        "base_version": 0,
+        "version": 1,
+        "digest": layout_digest(new_map),
+        "physical_to_logical_map": new_map,
+    }
+    fields.update(change)
+    before, kinds = record.state(), _kinds(ledger, record)
+    with pytest.raises(errors.RequestRefused, match=reason):
+        record.reload(fields.pop("engine_id"), **fields, reloader=reloader)
+    assert record.state() == before
+    assert _kinds(ledger, record) == [*kinds, "reload_refused"]
+    assert reloader.calls == []
+    _agree(ledger, record, "after a refused reload")
+
+
+def test_a_reload_beside_another_engine_is_refused_by_the_one_mover_rule(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    record.attach("E")
+    record.attach("other")
+    new_map = _new_map(record)
+    with pytest.raises(errors.ReloadRefused, match=r"other engines are attached.*\(other\)"):
+        record.reload(
+            "E",
+            base_version=0,
+            version=1,
+            digest=layout_digest(new_map),
+            physical_to_logical_map=new_map,
+            reloader=CheckpointSlots(slots),
+        )
+    assert record.version == 0
+
+
+def test_a_reload_killed_midway_is_never_clean_at_the_next_start(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    record.attach("E")
+    new_map = _new_map(record)
+    with pytest.raises(KeyboardInterrupt):  # the process dies inside the reload
+        record.reload(
+            "E",
+            base_version=0,
+            version=3,
+            digest=layout_digest(new_map),
+            physical_to_logical_map=new_map,
+            reloader=CheckpointSlots(slots, fail=KeyboardInterrupt()),
+        )
+    ledger.close()
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    _start(ledger)
+    with ledger.transaction("reading") as conn:
+        (end_state, reason) = conn.exec_driver_sql(
+            "SELECT i.end_state, e.reason FROM incarnations i JOIN events e "
+            "ON e.incarnation_id = i.incarnation_id AND e.kind = 'end' WHERE i.incarnation_id = 1"
+        ).one()
+    assert end_state != "clean"
+    assert "engine 'E'" in reason and "pending" in reason  # the reload's intent (its begin)
+    ledger.close()
+
+
+def test_a_reload_that_fails_after_it_began_leaves_the_daemon_dirty_for_its_layers(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    record.attach("E")
+    new_map = _new_map(record)
+    with pytest.raises(ReloadFailed, match="the reload failed: file gone"):
+        record.reload(
+            "E",
+            base_version=0,
+            version=3,
+            digest=layout_digest(new_map),
+            physical_to_logical_map=new_map,
+            reloader=CheckpointSlots(slots, fail=ReloadFailed("file gone")),
+        )
+    assert record.version == 0 and record.pending is None
+    assert record.dirty is not None and record.dirty.layers == (2, 5)
+    assert _kinds(ledger, record)[-3:] == ["begin", "abort", "content_dirty"]
+    _agree(ledger, record, "after a failed reload")
+
+
+def test_a_heal_is_clean_only_when_every_reloaded_slot_holds_what_the_record_names(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    _dirty_by_a_mover(record, slots)
+    slots.zero(1, 4)
+    version, digest = record.version, record.digest
+    with pytest.raises(errors.HealFailed, match="slots still differ from the record"):
+        record.heal(CheckpointSlots(slots, wrong=True))
+    assert record.dirty is not None
+    _agree(ledger, record, "after a failed heal")
+    reloader = CheckpointSlots(slots)
+    report = record.heal(reloader)
+    assert reloader.calls[-1] == {layer: list(range(12)) for layer in (0, 1)}
+    assert report.slots == 24
+    assert record.dirty is None
+    assert (record.version, record.digest) == (version, digest)
+    assert slots.fingerprints().layers[1][4] == expert_fingerprint(1, 4)
+    assert _kinds(ledger, record)[-3:] == ["dirty", "heal_failed", "heal"]
+    _agree(ledger, record, "after the heal")
+
+
+def test_a_heal_of_a_clean_daemon_is_refused_and_changes_nothing(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    before = record.state()
+    with pytest.raises(errors.HealRefused, match="it is not dirty"):
+        record.heal(CheckpointSlots(slots))
+    assert record.state() == before
+    assert _kinds(ledger, record)[-1] == "heal_refused"
+    _agree(ledger, record, "after a refused heal")
+
+
+def test_a_heal_killed_midway_leaves_the_daemon_dirty_at_the_next_start(tmp_path):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    _dirty_by_a_mover(record, slots)
+    with pytest.raises(KeyboardInterrupt):
+        record.heal(CheckpointSlots(slots, fail=KeyboardInterrupt()))
+    ledger.close()
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    _start(ledger)
+    with ledger.transaction("reading") as conn:
+        (end_state,) = conn.exec_driver_sql(
+            "SELECT end_state FROM incarnations WHERE incarnation_id = 1"
+        ).one()
+    assert end_state == "dirty"
+    ledger.close()
+
+
+def test_the_downgrade_to_0008_refuses_a_ledger_holding_heal_or_reload_events(tmp_path):
+    path = tmp_path / "l.sqlite"
+    ledger = open_ledger(path)
+    record, slots = _start(ledger)
+    _dirty_by_a_mover(record, slots)
+    record.heal(CheckpointSlots(slots))
+    ledger.close()
+    engine = create_engine(f"sqlite:///{path}")
+    with (
+        pytest.raises(errors.SchemaDowngradeRefused, match="1 heal or reload events"),
+        engine.begin() as conn,
+    ):
+        command.downgrade(alembic_config(conn), "0008_restored_layouts")
+    engine.dispose()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
+            ("0009_heals",)
+        ]
