@@ -201,3 +201,19 @@ def test_plan_convergence_refuses_findings_that_agree() -> None:
             engine_id=ENGINE,
             num_local_slots=LOCAL,
         )
+
+
+def test_converge_a_standby_engine_changes_no_daemon() -> None:
+    """A standby never converges daemons: the verdict of before, saying why (no collective)."""
+    from sglang_integration.engine.converge import converge_at_startup
+    from sglang_integration.engine.startup_repair import StartupRank
+    from sglang_integration.settings import ContentCheck
+
+    findings = [record(0, 1, ONE_SLOT), record(1, 0, INITIAL)]
+    this = StartupRank(0, "/run/d0.sock", ENGINE, ContentCheck.ENFORCE, INITIAL, (2, 4, 3))
+    _, _, verdict = converge_at_startup(
+        None, this, findings, [], num_local_slots=LOCAL, standby=True
+    )
+    assert isinstance(verdict, FailStartup)
+    assert verdict.reason.startswith("the weight cache daemons disagree on the expert layout: ")
+    assert verdict.reason.endswith(" A standby engine never changes them.")
