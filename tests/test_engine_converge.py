@@ -126,3 +126,39 @@ def test_converge_one_mover_rule_an_engine_not_alone_changes_no_daemon(
     layouts = [reply.layout for reply in query_daemons(daemons)]
     assert [layout.version for layout in layouts] == [1, 0]
     assert [kind for kind, *_ in events(daemons[1].ledger_path)].count("begin") == 0
+
+
+def test_converge_an_engine_killed_in_its_converging_move_loses_no_commit_and_leaves_it_dirty(
+    workspace: Workspace,
+) -> None:
+    """B SIGKILLed after its converging move, before the commit: daemon 0 keeps A's commit
+    (version 1), daemon 1 is dirty (B's move pending), never clean at a version its slots do not
+    hold. Healed by hand from its (synthetic) checkpoint, it is clean at version 0 again, and C
+    converges the daemons as B would have."""
+    from sglang_integration.testing.daemon_control import request
+
+    expert_dir = workspace.experts("converge-kill")
+    daemons = workspace.daemons("converge-kill", experts=expert_dir)
+    commit_on_rank_zero_only(expert_dir, daemons)
+    engine_b = workspace.launch("converge-kill", "B", daemons, expert_dir, stop_in_converge=True)
+    assert [r["event"] for r in engine_b.stopped] == ["stopped"] * 2, engine_b.failed
+    engine_b.kill()
+    layouts = wait_for_daemons(daemons, lambda layout: not layout.attached, "B gone")
+    assert [(x.version, x.dirty) for x in layouts] == [(1, False), (0, True)]
+    assert layouts[0].digest == layout_digest(NEWEST)
+    assert "detached while its move" in str(layouts[1].dirty_reason)
+    healed = request(daemons[1].socket_path, {"type": "expert_layout_heal"}, timeout=60)
+    assert healed["status"] == "ok", healed
+    assert matching(
+        held_map(expert_dir), [MOVED_ROW[:LOCAL] + INITIAL[0][LOCAL:], *INITIAL[1:]]
+    ) == (CONFIG.all_slots)
+    engine_c = workspace.launch("converge-kill", "C", daemons, expert_dir)
+    assert not engine_c.failed, engine_c.failed
+    assert [r["session"]["version"] for r in engine_c.started] == [1, 1]
+    assert sum(r["matching"] for r in engine_c.started) == CONFIG.all_slots
+    assert matching(held_map(expert_dir), NEWEST) == CONFIG.all_slots
+    layouts = [reply.layout for reply in query_daemons(daemons)]
+    assert [(x.version, x.digest, x.dirty) for x in layouts] == [
+        (1, layout_digest(NEWEST), False)
+    ] * 2
+    engine_c.exit()

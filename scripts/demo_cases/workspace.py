@@ -259,6 +259,7 @@ class Workspace:
         *,
         plugin: bool = True,
         env: tuple[tuple[str, str], ...] = (),
+        stop_in_converge: bool = False,
     ) -> CpuEngine:
         spec = EngineSpec(
             name=name,
@@ -273,6 +274,7 @@ class Workspace:
             log_dir=str(self.case_dir(case)),
             env=env,
             checkpoint=None if self.checkpoint is None else str(self.checkpoint),
+            stop_in_converge=stop_in_converge,
         )
         engine = CpuEngine.launch(spec, self.context)
         self._engines.append(engine)

@@ -225,6 +225,9 @@ class EngineSpec:
     log_dir: str | None = None
     env: tuple[tuple[str, str], ...] = ()  # set in each rank's environment before it starts
     checkpoint: str | None = None
+    # Stop each rank right after the converging move (``converge.move_after_load``'s, before its
+    # commits): it sends ``stopped`` instead of ``started`` and waits to be killed.
+    stop_in_converge: bool = False
 
     @property
     def world_size(self) -> int:
@@ -621,6 +624,21 @@ def _log_to(path: str | None) -> None:
     )
 
 
+def _stop_after_converging_move(spec: EngineSpec, rank: int, channel: Connection) -> None:
+    """Make the converging move (``converge._move``) move, then tell the parent and wait to be
+    killed: the moving daemons' begins are recorded, their commits never sent."""
+    from sglang_integration.engine import converge
+
+    move = converge._move
+
+    def move_then_stop(model: Any, pending: Any) -> None:
+        move(model, pending)
+        channel.send({"event": "stopped", "where": "after the converging move", "rank": rank})
+        block_until_killed()
+
+    converge._move = move_then_stop  # type: ignore[assignment]
+
+
 def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     """Process target: one engine rank. Sends ``started`` (with a report) or ``startup_failed``
     (the startup hook refused: ``error`` is its reason), then answers commands until ``exit``.
@@ -667,6 +685,8 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     capture = LogCapture()
     logging.getLogger("sglang_integration").addHandler(capture)
     engine = _EngineRank(spec, rank, capture)
+    if spec.stop_in_converge:
+        _stop_after_converging_move(spec, rank, channel)
     try:
         engine.start()
     except Exception as exc:
@@ -739,6 +759,7 @@ class CpuEngine:
     channels: list[Connection]
     started: list[dict[str, Any]] = field(default_factory=list)
     failed: list[dict[str, Any]] = field(default_factory=list)
+    stopped: list[dict[str, Any]] = field(default_factory=list)  # ``stop_in_converge``
 
     @classmethod
     def launch(
@@ -766,6 +787,7 @@ class CpuEngine:
             raise
         engine.started = [r for r in replies if r["event"] == "started"]
         engine.failed = [r for r in replies if r["event"] == "startup_failed"]
+        engine.stopped = [r for r in replies if r["event"] == "stopped"]
         if engine.failed:
             engine.join(30)
         return engine
