@@ -1,6 +1,6 @@
 """The CPU end-to-end demo (README quick start: ``scripts/demo.sh``).
 
-Reproduces the proposal's three GPU cases (and cases 4 to 6) with real processes on a CPU, on a
+Reproduces the proposal's three GPU cases (and cases 4 to 7) with real processes on a CPU, on a
 tiny Qwen3-MoE (BF16) and a tiny DeepSeek-V3 (FP8 blocks) in turn, and prints them in tables: per
 EP rank a model-backed weight cache daemon (sglang's own ``WeightCacheDaemon`` building the model
 class and loading a checkpoint written for the run with sglang's loader, with this plugin's hooks

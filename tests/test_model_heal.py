@@ -365,3 +365,43 @@ def test_a_restart_after_a_reload_restores_the_version_it_jumped_to(
             _verified(again, rank)
     finally:
         assert again.stop() == [0, 0]
+
+
+def test_a_daemon_that_cannot_verify_reloaded_slots_refuses_reloads_and_says_why(
+    checkpoint: Path, model: str, tmp_path: Path
+) -> None:
+    if model != "qwen3_moe":
+        pytest.skip("one model is enough: the reason comes before any model code")
+    group = start_model_daemons(
+        tmp_path / "run",
+        checkpoint,
+        ep_size=RANKS,
+        num_redundant_experts=NUM_REDUNDANT,
+        model=model,
+        daemon_args=["--expert-layout-content-check", "off"],
+    )
+    reason = (
+        "it records no slot fingerprints (--expert-layout-content-check off, or no "
+        "routed-expert tensors), so it could not verify reloaded slots"
+    )
+    try:
+        engine = EngineStandIn.start(group.socket(0), "engine-r")
+        new_map = [list(row) for row in INITIAL]
+        new_map[1][0], new_map[1][1] = new_map[1][1], new_map[1][0]
+        reply = _reload(group, 0, 0, 1, new_map)
+        assert reply == {
+            "status": "refused",
+            "reason": f"this daemon cannot reload from its checkpoint: {reason}",
+        }
+        engine.exit()
+        assert f"no heal or reload from the checkpoint: {reason}" in group.log(0)
+        status = subprocess.run(
+            [str(Path(sys.executable).parent / "layout-ledger"), "status", group.ledger(0)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert f"heal:                unavailable: {reason}" in status.stdout
+    finally:
+        group.stop()

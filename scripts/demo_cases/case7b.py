@@ -28,7 +28,9 @@ def run_case7b(workspace: Workspace) -> CaseResult:
     started = time.monotonic()
     config = workspace.config
     experts = workspace.experts("case7b")
-    daemons = workspace.daemons("case7b", experts=experts)
+    # Model-backed: rank 1's daemon heals itself (the earlier cases run theirs with heal off).
+    heal = ["--expert-layout-heal", "auto"] if workspace.model_backed else []
+    daemons = workspace.daemons("case7b", experts=experts, flags=heal)
     n = config.case7b_rebalances
     version = n * config.chunks_per_rebalance
     engine_a = workspace.launch("case7b", "A", daemons, experts)

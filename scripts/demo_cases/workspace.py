@@ -220,7 +220,7 @@ class Workspace:
             num_redundant_experts=redundant
             if num_redundant_experts is None
             else (num_redundant_experts),
-            daemon_args=[*modes[record], *flags],
+            daemon_args=[*modes[record], *_heal_off_unless_given(flags), *flags],
         )
         self._groups.append(group)
         return [group.daemon(rank) for rank in range(group.ep_size)]
@@ -413,6 +413,13 @@ def _remove_tree(path: Path) -> None:
 
 
 # ---------------------------------------------------------------- reading state -------------
+
+
+def _heal_off_unless_given(flags: Sequence[str]) -> list[str]:
+    """The cases before 7 show what a dirty daemon does without a heal (refusals, the content
+    repair, which runs where no heal does: docs/design.md "Heal and content repair"), so their
+    daemons run with ``--expert-layout-heal off``; case 7 passes ``auto``."""
+    return [] if "--expert-layout-heal" in flags else ["--expert-layout-heal", "off"]
 
 
 def query_daemons(daemons: Sequence[Any]) -> list[Any]:
