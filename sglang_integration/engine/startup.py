@@ -193,7 +193,9 @@ def start_from_daemon_layout(
     4. with the content check on, it asks its daemon for its slots' content
        (``startup_repair.read_content``);
     5. the ranks all-gather what they found and all compute the same
-       ``layout_ledger.core.startup_verdict.decide``, then ``startup_repair.settle``: daemons an
+       ``layout_ledger.core.startup_verdict.decide``; clean daemons at different layouts are
+       brought to the newest (``converge.converge_at_startup``: reloads now, a move once the
+       weights are loaded, ``converge.move_after_load``); then ``startup_repair.settle``: daemons an
        engine left mid-move are repaired when their slots hold whole experts of a valid layout
        (one more all-gather, of the repair replies), and every expert's expected fingerprint is
        kept for the check after the weights are loaded (``load_check``);
