@@ -3,7 +3,9 @@
 sglang's ``ModelRunner.initialize`` calls the startup hook's target (``startup``: the ranks agree
 on a map) before ``load_model``; the weights exist only once ``load_model`` has set
 ``self.model``, and nothing routes a token before ``initialize`` returns (``UPSTREAM_LINES``). So
-the hook runs the original, then, when the startup hook kept the experts' expected contents
+the hook runs the original, then finishes a convergence the startup hook left to it (the move of
+daemons at an older layout to the newest, ``converge.move_after_load``), then, when the startup
+hook kept the experts' expected contents
 (every daemon records slot fingerprints), checks on every rank what it loaded
 (``check_loaded_experts``).
 
