@@ -1,4 +1,4 @@
-"""A reduced run of the CPU end-to-end demo (``scripts/demo.py``): the same six cases and the
+"""A reduced run of the CPU end-to-end demo (``scripts/demo.py``): the same seven cases and the
 forensics, with fewer rebalances, through the same code (``scripts/demo_cases``): real
 model-less daemons with ledgers, engines of 2 gloo rank processes running sglang's real startup
 method, ``EPLBManager`` and ``ExpertLocationUpdater`` through the plugin's real hooks,
@@ -177,3 +177,17 @@ def test_a_restarted_daemon_keeps_the_balance_and_each_fallback_says_why(
         "--expert-layout-restore initial on rank 0",
         "nothing to restore",
     ]
+
+
+@pytest.mark.timeout(240)
+def test_daemons_a_commit_left_at_different_versions_converge_on_the_newest_when_b_starts(
+    demo: tuple[DemoRun, Workspace],
+) -> None:
+    case = _case(demo[0], "Case 7 (b)")
+    _assert_every_check_holds(case)
+    facts = case.facts
+    newest = CONFIG.case7b_rebalances * CHUNKS + 1
+    assert facts["versions"] == [newest, newest - 1]
+    assert facts["b_versions"] == [newest] * CONFIG.ep_size
+    assert facts["stopped"] == [True, None]  # rank 0 committed, rank 1 never sent its commit
+    assert facts["way"] == "reload"  # A's chunk gave rank 1 experts only rank 0 held at N

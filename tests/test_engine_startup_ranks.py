@@ -26,6 +26,8 @@ from test_engine_startup_hook import (
     NUM_LAYERS,
     NUM_LOGICAL,
     EngineRanks,
+    model_less_daemon,
+    scripted_peer,
     sglang_context,
     warnings_of,
 )
@@ -217,20 +219,88 @@ def test_daemons_at_version_zero_leave_the_initial_layout_as_it_is(
         assert any("equal to" in text for _, text in report["logs"])
 
 
-def test_daemons_at_different_versions_fail_every_rank_naming_ranks_and_versions(
+def test_daemons_no_daemon_can_bring_to_the_newest_fail_every_rank_naming_ranks_and_versions(
     ranks: EngineRanks, model_dir: Path, tmp_path: Path
 ) -> None:
+    """Rank 1's daemon two versions ahead: a move commits one version, and these model-less
+    daemons cannot reload from a checkpoint, so no daemon can reach the newest layout."""
     with daemons(tmp_path, ["ledger"] * ranks.world_size) as started:
         for rank, daemon in enumerate(started):
-            move(daemon, FIRST_MOVE, *([SECOND_MOVE] if rank == 1 else []))
+            move(daemon, *([FIRST_MOVE, SECOND_MOVE] if rank == 1 else []))
         reports = ranks.run(scenario(started, model_dir=model_dir))
     error = the_same_error_on_every_rank(reports)
-    assert "the weight cache daemons disagree on the expert layout" in error
-    assert f"rank 0 (daemon {started[0].socket_path}) at version 1" in error
-    assert f"rank 1 (daemon {started[1].socket_path}) at version 2" in error
+    assert error.startswith(
+        "ExpertLayoutStartupError: converging the weight cache daemons on version 2 (digest "
+        f"{layout_digest(after(FIRST_MOVE, SECOND_MOVE))[:12]}, the newest any of them "
+        "committed) failed at the reload: "
+    )
+    assert (
+        f"rank 0 (daemon {started[0].socket_path}, at version 0): reload refused: this daemon "
+        "cannot reload from its checkpoint: this daemon has no checkpoint reloader"
+    ) in error
     for report in reports:
         assert report["session"] is None
         assert report["map"] == INITIAL  # nothing adopted
+
+
+def _refuse_every_fetch(configs: list[dict[str, Any]]) -> Any:
+    """A scripted daemon that answers attach as an older daemon and keeps each fetch's config."""
+
+    def handle(conn: socket.socket) -> None:
+        from sglang.srt.weight_cache.protocol import recv_msg, send_msg
+
+        request_ = recv_msg(conn)
+        if request_.get("type") == "fetch_state":
+            configs.append(dict(request_["config"]))
+            send_msg(conn, {"status": "layout_refused", "reason": "capture"})
+        else:
+            send_msg(conn, {"status": "error", "message": f"Unknown request type: {request_}"})
+
+    return handle
+
+
+def test_converge_a_rank_fetches_while_converging_with_its_own_daemons_digest(
+    two_ranks: EngineRanks, model_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1's daemon one version ahead, every expert rank 0's target slots need held: the
+    engine starts routing with what the daemons hold (the move comes after the load), and each
+    rank's fetch (sglang's real IPC loader) declares its own daemon's version and digest, which
+    that daemon serves (daemons stating the engine's ``CacheConfig``, as in test_loader_layout)."""
+    captured: list[list[dict[str, Any]]] = [[], []]  # each rank's, from its own peer
+    peers = [tmp_path / f"capture{rank}.sock" for rank in range(2)]
+    with (
+        scripted_peer(peers[0], _refuse_every_fetch(captured[0])),
+        scripted_peer(peers[1], _refuse_every_fetch(captured[1])),
+    ):
+        capture = scenario([], model_dir=model_dir, fetch="fetch")
+        reports = two_ranks.run({**capture, "sockets": [str(peer) for peer in peers]})
+    assert [len(each) for each in captured] == [1, 1], reports
+    configs = [each[0] for each in captured]
+    with contextlib.ExitStack() as stack:
+        started = [
+            stack.enter_context(
+                model_less_daemon(
+                    tmp_path / f"d{rank}",
+                    cache_config=configs[rank],
+                    num_physical_experts=NUM_SLOTS,
+                )
+            )
+            for rank in range(2)
+        ]
+        move(started[0], FIRST_MOVE)
+        move(started[1], FIRST_MOVE, SECOND_MOVE)
+        reports = two_ranks.run(scenario(started, model_dir=model_dir, fetch="fetch"))
+    held = after(FIRST_MOVE)
+    held[1][6:] = SECOND_MOVE[1][6:]  # rank 1's slots as its daemon's map names them
+    for rank, report in enumerate(reports):
+        assert report["error"] is None, report.get("traceback")
+        assert report["map"] == held
+        own = after(FIRST_MOVE, *([SECOND_MOVE] if rank == 1 else []))
+        assert (report["session"]["version"], report["session"]["digest"]) == (
+            1 + rank,
+            layout_digest(own),
+        )
+        assert report["fetch"] == {"result": "ok", "weight_source": "daemon"}
 
 
 def test_a_rank_that_cannot_read_its_daemon_fails_every_rank(

@@ -373,6 +373,31 @@ class ReleaseRequest:
 
 
 @dataclass(frozen=True)
+class ReloadRequest:
+    """An engine alone on the daemon has it reload from its checkpoint the local slots whose
+    expert changes between its map and ``physical_to_logical_map``, recorded as ``version``
+    (a jump from ``base_version``) with ``digest`` (the engine's converging, docs/design.md)."""
+
+    engine_id: str
+    base_version: int
+    version: int
+    digest: str
+    physical_to_logical_map: Sequence[Sequence[int]]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": RELOAD,
+            "engine_id": self.engine_id,
+            "base_version": int(self.base_version),
+            "version": int(self.version),
+            "digest": str(self.digest),
+            "physical_to_logical_map": [
+                [int(v) for v in row] for row in self.physical_to_logical_map
+            ],
+        }
+
+
+@dataclass(frozen=True)
 class QueryRequest:
     def to_wire(self) -> dict[str, Any]:
         return {"type": QUERY}
@@ -532,6 +557,7 @@ LayoutRequest = (
     | UncordonRequest
     | LeaseRequest
     | ReleaseRequest
+    | ReloadRequest
 )
 
 

@@ -31,6 +31,7 @@ class DemoConfig:
     case2_rebalances: tuple[int, int, int] = (3, 3, 3)  # alone, with the standby, after it
     case3_rebalances_before_kill: int = 2
     case6_rebalances: int = 2
+    case7b_rebalances: int = 1  # before the one A is killed in, between its ranks' commits
     load_seed: int = 11
 
     @property

@@ -1,6 +1,7 @@
 """The whole demo: cases 1-3, the forensics of case 3 (b)'s dirty ledger, then case 4 on the
 same daemons, then case 5 (a warm standby beside a rebalancing engine), case 6 (a restart
-keeps the balance) and case 7 (a dirty daemon heals itself) on their own."""
+keeps the balance), case 7 (a dirty daemon heals itself) and case 7 (b) (daemons at different
+versions converge) on their own."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from demo_cases.case4 import run_case4
 from demo_cases.case5 import run_case5
 from demo_cases.case6 import run_case6
 from demo_cases.case7 import run_case7
+from demo_cases.case7b import run_case7b
 from demo_cases.config import DemoConfig
 from demo_cases.forensics import CommandOutput, run_forensics
 from demo_cases.results import CaseResult, Check
@@ -68,4 +70,5 @@ def run_demo(
     done(standby_more)
     done(run_case6(workspace))
     done(run_case7(workspace))
+    done(run_case7b(workspace))
     return run

@@ -129,12 +129,6 @@ class Workspace:
         the forkserver's keep-alive pipe first (``release_forkserver``), so that no daemon
         outlives this process even when it is SIGKILLed.
         """
-        from sglang_integration.testing.daemon_control import (
-            DaemonProcess,
-            daemon_argv,
-            wait_until_serving,
-        )
-
         if self.model_backed and not synthetic:
             return self._model_daemons(
                 case, record, experts, flags=flags, num_redundant_experts=num_redundant_experts
@@ -145,37 +139,64 @@ class Workspace:
             if num_redundant_experts is None
             else (num_redundant_experts)
         )
+        return [
+            self._synthetic_daemon(case, rank, record, experts, flags=flags, redundant=redundant)
+            for rank in range(config.ep_size if count is None else count)
+        ]
+
+    def restart_alone(self, case: str, daemon: Any, rank: int, experts: Path, the_map: Map) -> Any:
+        """Stop one model-less daemon of a case, write its rank's expert files in ``the_map``
+        (what its restart's load from disk puts there: the layout it restores, its last
+        committed one) and start it again alone on its ledger."""
+        from sglang_integration.testing.shared_experts import create_shared_experts, read_shape
+
+        daemon.stop()
+        create_shared_experts(experts, rank, read_shape(experts, rank), the_map)
+        redundant = self.config.num_redundant_experts
+        return self._synthetic_daemon(case, rank, "ledger", experts, flags=(), redundant=redundant)
+
+    def _synthetic_daemon(
+        self,
+        case: str,
+        rank: int,
+        record: str,
+        experts: Path | None,
+        *,
+        flags: Sequence[str],
+        redundant: int,
+    ) -> Any:
+        """One model-less daemon for ``rank``, serving when this returns (see ``daemons``)."""
+        from sglang_integration.testing.daemon_control import (
+            DaemonProcess,
+            daemon_argv,
+            wait_until_serving,
+        )
+
+        config = self.config
         directory = self.case_dir(case)
-        started = []
-        for rank in range(config.ep_size if count is None else count):
-            name = f"daemon{rank}"
-            socket_path = str(directory / f"{name}.sock")
-            ledger = str(directory / f"{name}.sqlite") if record == "ledger" else None
-            argv = daemon_argv(
-                socket_path,
-                ledger,
-                num_layers=config.num_layers,
-                num_logical_experts=config.num_logical_experts,
-                num_physical_experts=config.num_logical_experts + redundant,
-                record=record,
-                # Which rank each daemon stands in for, recorded in its ledger (fleet's rows).
-                extra=(["--tp-rank", str(rank), "--ep-rank", str(rank)] if ledger else [])
-                + (
-                    []
-                    if experts is None
-                    else ["--experts", str(experts), "--expert-rank", str(rank)]
-                )
-                + list(flags),
-            )
-            daemon = DaemonProcess(socket_path, ledger, str(directory / f"{name}.log"), argv)
-            daemon.process = self.context.Process(
-                target=_run_daemon, args=(argv, daemon.log_path), daemon=True
-            )
-            daemon.process.start()
-            self._daemons.append(daemon)
-            wait_until_serving(socket_path, daemon.is_alive, describe=_exit_and_log(daemon))
-            started.append(daemon)
-        return started
+        name = f"daemon{rank}"
+        socket_path = str(directory / f"{name}.sock")
+        ledger = str(directory / f"{name}.sqlite") if record == "ledger" else None
+        argv = daemon_argv(
+            socket_path,
+            ledger,
+            num_layers=config.num_layers,
+            num_logical_experts=config.num_logical_experts,
+            num_physical_experts=config.num_logical_experts + redundant,
+            record=record,
+            # Which rank each daemon stands in for, recorded in its ledger (fleet's rows).
+            extra=(["--tp-rank", str(rank), "--ep-rank", str(rank)] if ledger else [])
+            + ([] if experts is None else ["--experts", str(experts), "--expert-rank", str(rank)])
+            + list(flags),
+        )
+        daemon = DaemonProcess(socket_path, ledger, str(directory / f"{name}.log"), argv)
+        daemon.process = self.context.Process(
+            target=_run_daemon, args=(argv, daemon.log_path), daemon=True
+        )
+        daemon.process.start()
+        self._daemons.append(daemon)
+        wait_until_serving(socket_path, daemon.is_alive, describe=_exit_and_log(daemon))
+        return daemon
 
     def _model_daemons(
         self,
@@ -238,6 +259,7 @@ class Workspace:
         *,
         plugin: bool = True,
         env: tuple[tuple[str, str], ...] = (),
+        stop_in_converge: bool = False,
     ) -> CpuEngine:
         spec = EngineSpec(
             name=name,
@@ -252,6 +274,7 @@ class Workspace:
             log_dir=str(self.case_dir(case)),
             env=env,
             checkpoint=None if self.checkpoint is None else str(self.checkpoint),
+            stop_in_converge=stop_in_converge,
         )
         engine = CpuEngine.launch(spec, self.context)
         self._engines.append(engine)
@@ -407,17 +430,20 @@ def query_daemons(daemons: Sequence[Any]) -> list[Any]:
 
 
 def wait_for_daemons(
-    daemons: Sequence[Any], condition: Callable[[Any], bool], what: str
+    daemons: Sequence[Any],
+    condition: Callable[[Any], bool],
+    what: str,
+    timeout: float = DETACH_TIMEOUT,
 ) -> list[Any]:
     """Poll every daemon until ``condition(layout)`` holds on each; the layouts."""
-    deadline = time.monotonic() + DETACH_TIMEOUT
+    deadline = time.monotonic() + timeout
     while True:
         replies = query_daemons(daemons)
         layouts = [reply.layout for reply in replies]
         if all(layout is not None and condition(layout) for layout in layouts):
             return layouts
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the daemons did not reach {what} within {DETACH_TIMEOUT} s")
+            raise TimeoutError(f"the daemons did not reach {what} within {timeout} s")
         time.sleep(0.05)
 
 

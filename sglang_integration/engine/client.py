@@ -32,6 +32,7 @@ from layout_ledger.wire.protocol import (
     Outcome,
     QueryRequest,
     ReleaseRequest,
+    ReloadRequest,
     RepairRequest,
     Reply,
 )
@@ -61,6 +62,10 @@ __all__ = [
 # thread and bounds each request and reply itself (``settings.REQUEST_TIMEOUT``, 5 s by
 # default), so a healthy daemon answers well within this.
 DEFAULT_REQUEST_TIMEOUT = 30.0
+# Seconds for the reply to ``expert_layout_reload``: the daemon reads the changed slots' experts
+# from its checkpoint before it answers (a layer's local experts: up to 1.6 GB in BF16 at
+# DeepSeek-V3's EP 16), so a healthy daemon on a slow disk may take minutes.
+RELOAD_TIMEOUT = 600.0
 
 
 class Attachment:
@@ -162,6 +167,22 @@ def repair(
     ``expected_fingerprints``: ``{layer: {expert: fingerprint}}`` of the experts the rows name
     in the daemon's local slots (it accepts a slot named as an expert it never held only so)."""
     request = RepairRequest(engine_id, rows, fingerprints, expected_fingerprints)
+    return _request(socket_path, request, timeout)
+
+
+def reload(
+    socket_path: str,
+    engine_id: str,
+    *,
+    base_version: int,
+    version: int,
+    digest: str,
+    physical_to_logical_map: Sequence[Sequence[int]],
+    timeout: float = RELOAD_TIMEOUT,
+) -> Reply:
+    """``expert_layout_reload``: the daemon reloads from its checkpoint the local slots whose
+    expert changes and records ``version``; an ``ok`` reply has its ``layout``."""
+    request = ReloadRequest(engine_id, base_version, version, digest, physical_to_logical_map)
     return _request(socket_path, request, timeout)
 
 

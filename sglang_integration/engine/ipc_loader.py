@@ -9,7 +9,8 @@ a ``layout_refused`` reply into ``LayoutRefusedError``.
 
 The field (``protocol.FetchLayout``, docs/protocol.md): the engine id only when this rank is
 attached, the version the engine adopted at startup, and the digest of the map the engine
-routes with now (the global ``ExpertLocationMetadata``). No field without a startup session
+routes with now (the global ``ExpertLocationMetadata``; while it converges, its daemon's digest).
+No field without a startup session
 (dense model, or the startup hook not installed).
 """
 
@@ -105,10 +106,13 @@ def expert_layout_field() -> protocol.FetchLayout | None:
     metadata = get_global_expert_location_metadata()
     if metadata is None:
         return None
+    # Converging (``engine.converge``): the engine routes with what the daemons hold, which
+    # agrees with this rank's daemon's map on the local slots it serves; its digest is that map's.
+    digest = session.digest if session.converge is not None else layout_digest(map_of(metadata))
     return protocol.FetchLayout(
         engine_id=session.engine_id if session.attached else None,
         version=session.version,
-        digest=layout_digest(map_of(metadata)),
+        digest=digest,
     )
 
 

@@ -3,7 +3,9 @@
 sglang's ``ModelRunner.initialize`` calls the startup hook's target (``startup``: the ranks agree
 on a map) before ``load_model``; the weights exist only once ``load_model`` has set
 ``self.model``, and nothing routes a token before ``initialize`` returns (``UPSTREAM_LINES``). So
-the hook runs the original, then, when the startup hook kept the experts' expected contents
+the hook runs the original, then finishes a convergence the startup hook left to it (the move of
+daemons at an older layout to the newest, ``converge.move_after_load``), then, when the startup
+hook kept the experts' expected contents
 (every daemon records slot fingerprints), checks on every rank what it loaded
 (``check_loaded_experts``).
 
@@ -46,7 +48,15 @@ def around_load_model(original_fn: Callable[[Any], Any], runner: Any) -> Any:
     from sglang_integration.engine.startup import current_session
 
     session = current_session()
-    if session is None or session.expected_content is None:
+    if session is None:
+        return result
+    if session.converge is not None:
+        from sglang_integration.engine.converge import move_after_load
+
+        # The daemons at an older layout move to the newest first; the check then sees it.
+        pending, session.converge = session.converge, None
+        move_after_load(runner.model, pending, session)
+    if session.expected_content is None:
         return result
     check_loaded_experts(runner.model, session)
     return result

@@ -37,6 +37,8 @@ from layout_ledger.core.startup_verdict import (
 )
 from layout_ledger.wire.protocol import LayoutView, Outcome
 from sglang_integration.engine import client
+from sglang_integration.engine.converge import PendingConvergence, converge_at_startup
+from sglang_integration.engine.converge_decisions import ConvergeByMove, needs_convergence
 from sglang_integration.engine.rebalance_agent import create_group
 from sglang_integration.engine.startup_repair import StartupRank, read_content, settle
 from sglang_integration.settings import ROLE, ROLE_ACTIVE, ROLE_STANDBY, WAIT_TIMEOUT, content_check
@@ -119,6 +121,9 @@ class EngineLayoutSession:
     # The role this rank's daemon recorded for the attach (``engine.standby``): ``standby`` only
     # when the engine asked for it and the daemon knows roles.
     role: str = ROLE_ACTIVE
+    # Daemons at different layouts this engine brings to the newest once its weights are loaded
+    # (``converge.move_after_load``, from the ``load_model`` hook); None once they agree.
+    converge: PendingConvergence | None = None
 
     @property
     def attached(self) -> bool:
@@ -188,7 +193,9 @@ def start_from_daemon_layout(
     4. with the content check on, it asks its daemon for its slots' content
        (``startup_repair.read_content``);
     5. the ranks all-gather what they found and all compute the same
-       ``layout_ledger.core.startup_verdict.decide``, then ``startup_repair.settle``: daemons an
+       ``layout_ledger.core.startup_verdict.decide``; clean daemons at different layouts are
+       brought to the newest (``converge.converge_at_startup``: reloads now, a move once the
+       weights are loaded, ``converge.move_after_load``); then ``startup_repair.settle``: daemons an
        engine left mid-move are repaired when their slots hold whole experts of a valid layout
        (one more all-gather, of the repair replies), and every expert's expected fingerprint is
        kept for the check after the weights are loaded (``load_check``);
@@ -230,10 +237,20 @@ def start_from_daemon_layout(
     content = read_content(socket_path, finding, rank=rank, mode=this.mode)
     gathered = world.all_gather_object((finding, content, role))
     findings = [each for each, _, _ in gathered]
+    contents = [each for _, each, _ in gathered]
+    local = int(metadata.num_local_physical_experts)
     try:
-        decision, expected = settle(
-            world, decide(findings), findings, [each for _, each, _ in gathered], this
-        )
+        first: Decision | ConvergeByMove = decide(findings)
+        if needs_convergence(findings):
+            findings, contents, first = converge_at_startup(
+                world,
+                this,
+                findings,
+                contents,
+                num_local_slots=local,
+                standby=asked_role == ROLE_STANDBY,
+            )
+        decision, expected = settle(world, first, findings, contents, this)
         version, digest = _apply(
             decision,
             model_config=model_config,
@@ -246,7 +263,6 @@ def start_from_daemon_layout(
         if attachment is not None:
             attachment.close()
         raise
-    local = int(metadata.num_local_physical_experts)
     session = EngineLayoutSession(
         engine_id=engine_id,
         rank=rank,
@@ -260,6 +276,9 @@ def start_from_daemon_layout(
         first_slot=moe_ep_rank * local,
         num_local_slots=local,
         role=role,
+        converge=PendingConvergence(decision.plan, model_config, moe_ep_rank)
+        if isinstance(decision, ConvergeByMove)
+        else None,
     )
     _ThisRank.session = session
     if asked_role == ROLE_STANDBY and session.attached:
@@ -288,7 +307,7 @@ def _granted_role(asked: str, attachment: client.Attachment | None) -> str:
 
 
 def _apply(
-    decision: Decision,
+    decision: Decision | ConvergeByMove,
     *,
     model_config: Any,
     metadata: Any,
@@ -301,6 +320,18 @@ def _apply(
 
     if isinstance(decision, FailStartup):
         raise ExpertLayoutStartupError(decision.reason)
+    if isinstance(decision, ConvergeByMove):
+        plan = decision.plan
+        adopt_map(model_config, plan.held_map, moe_ep_rank, metadata, current_map=initial_map)
+        own = plan.step_of(_world_group().rank_in_group)
+        logger.info(
+            "Routing with what the weight cache daemons hold (this rank's daemon at version %d, "
+            "digest %s) until the move to version %d once the weights are loaded",
+            own.version,
+            own.digest[:12],
+            plan.version,
+        )
+        return own.version, own.digest
     if isinstance(decision, AdoptLayout):
         changed = adopt_map(
             model_config,

@@ -34,6 +34,7 @@ from sglang_integration.engine.content_decisions import (
     expected_contents,
     plan_repair,
 )
+from sglang_integration.engine.converge_decisions import ConvergeByMove
 from sglang_integration.engine.rebalance_decisions import check_commits
 from sglang_integration.settings import ContentCheck
 
@@ -82,11 +83,11 @@ def read_content(
 
 def settle(
     world: Any,
-    decision: Decision,
+    decision: Decision | ConvergeByMove,
     findings: list[RankFinding],
     contents: list[RankContent],
     this: StartupRank,
-) -> tuple[Decision, ExpertContents | None]:
+) -> tuple[Decision | ConvergeByMove, ExpertContents | None]:
     """The startup decision after the content round, and the experts' expected contents.
 
     A daemon whose check found content that moved without a commit fails startup. Daemons that
@@ -116,9 +117,12 @@ def settle(
         }
     if isinstance(decision, FailStartup):
         return decision, None
-    the_map = (
-        decision.physical_to_logical_map if isinstance(decision, AdoptLayout) else this.initial_map
-    )
+    the_map = this.initial_map
+    if isinstance(decision, AdoptLayout):
+        the_map = decision.physical_to_logical_map
+    elif isinstance(decision, ConvergeByMove):
+        # What the daemons hold now: each daemon's record names its own local slots so.
+        the_map = decision.plan.held_map
     return _expected(decision, contents, the_map, extra, this.rank)
 
 
@@ -175,12 +179,12 @@ def _repair(world: Any, plan: RepairPlan, this: StartupRank) -> AdoptLayout | Fa
 
 
 def _expected(
-    decision: Decision,
+    decision: Decision | ConvergeByMove,
     contents: list[RankContent],
     the_map: Map,
     extra: dict[int, LocalFingerprints] | None,
     rank: int,
-) -> tuple[Decision, ExpertContents | None]:
+) -> tuple[Decision | ConvergeByMove, ExpertContents | None]:
     if isinstance(decision, KeepInitialLayout):
         # Some daemon keeps no layout record (the startup hook warned once): no content check.
         return decision, None

@@ -225,6 +225,9 @@ class EngineSpec:
     log_dir: str | None = None
     env: tuple[tuple[str, str], ...] = ()  # set in each rank's environment before it starts
     checkpoint: str | None = None
+    # Stop each rank right after the converging move (``converge.move_after_load``'s, before its
+    # commits): it sends ``stopped`` instead of ``started`` and waits to be killed.
+    stop_in_converge: bool = False
 
     @property
     def world_size(self) -> int:
@@ -523,6 +526,27 @@ class _EngineRank:
         run_rebalances(self.manager, 1)
         raise RuntimeError("the rebalance ended without reaching the move")
 
+    def stop_at_commit(self, count: int, skip_rank: int, channel: Connection) -> None:
+        """``count`` whole rebalances, then one more whose first chunk's commit reaches every
+        daemon but rank ``skip_rank``'s: that rank stops before it sends its commit, the others
+        right after theirs; each tells the parent and waits (a mover killed between two ranks'
+        commits)."""
+        from sglang_integration.engine import client
+
+        self.rebalance(count)
+        commit = client.LayoutConnection.commit
+
+        def stop_at_first_commit(connection: Any, *args: Any, **kwargs: Any) -> Any:
+            reply = None if self.rank == skip_rank else commit(connection, *args, **kwargs)
+            report = self.report()
+            report["committed"] = None if reply is None else bool(reply.ok)
+            channel.send({"event": "stopped", "where": "at the commit", **report})
+            block_until_killed()
+
+        client.LayoutConnection.commit = stop_at_first_commit  # type: ignore[method-assign,assignment]
+        run_rebalances(self.manager, 1)
+        raise RuntimeError("the rebalance ended without reaching its first commit")
+
     def wait_alone(self, timeout: float) -> dict[str, Any]:
         """Poll this rank's daemon until this engine is the only one attached."""
         from sglang_integration.engine import client
@@ -600,6 +624,21 @@ def _log_to(path: str | None) -> None:
     )
 
 
+def _stop_after_converging_move(spec: EngineSpec, rank: int, channel: Connection) -> None:
+    """Make the converging move (``converge._move``) move, then tell the parent and wait to be
+    killed: the moving daemons' begins are recorded, their commits never sent."""
+    from sglang_integration.engine import converge
+
+    move = converge._move
+
+    def move_then_stop(model: Any, pending: Any) -> None:
+        move(model, pending)
+        channel.send({"event": "stopped", "where": "after the converging move", "rank": rank})
+        block_until_killed()
+
+    converge._move = move_then_stop  # type: ignore[assignment]
+
+
 def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     """Process target: one engine rank. Sends ``started`` (with a report) or ``startup_failed``
     (the startup hook refused: ``error`` is its reason), then answers commands until ``exit``.
@@ -630,9 +669,9 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
        SIGKILL it there, exit.
 
     Commands are ``(verb, fields)``: ``rebalance`` (count), ``wait_alone`` (timeout),
-    ``stop_between_chunks`` / ``stop_in_move`` (count of whole rebalances first; the rank then
-    sends ``stopped`` and waits to be killed), ``exit``. A failed command is answered with
-    ``{"event": "error", "error": traceback}``.
+    ``stop_between_chunks`` / ``stop_in_move`` / ``stop_at_commit`` (count of whole rebalances
+    first; the rank then sends ``stopped`` and waits to be killed), ``exit``. A failed command
+    is answered with ``{"event": "error", "error": traceback}``.
     """
     _log_to(spec.log_path(rank))
     os.environ.update(QUIET_SGLANG_ENV)
@@ -646,6 +685,8 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     capture = LogCapture()
     logging.getLogger("sglang_integration").addHandler(capture)
     engine = _EngineRank(spec, rank, capture)
+    if spec.stop_in_converge:
+        _stop_after_converging_move(spec, rank, channel)
     try:
         engine.start()
     except Exception as exc:
@@ -690,6 +731,9 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
             elif verb == "stop_in_move":
                 engine.stop_in_move(int(fields["count"]), channel)
                 continue
+            elif verb == "stop_at_commit":
+                engine.stop_at_commit(int(fields["count"]), int(fields["skip_rank"]), channel)
+                continue
             else:
                 raise ValueError(f"unknown engine command {verb!r}")
         except Exception:
@@ -715,6 +759,7 @@ class CpuEngine:
     channels: list[Connection]
     started: list[dict[str, Any]] = field(default_factory=list)
     failed: list[dict[str, Any]] = field(default_factory=list)
+    stopped: list[dict[str, Any]] = field(default_factory=list)  # ``stop_in_converge``
 
     @classmethod
     def launch(
@@ -742,6 +787,7 @@ class CpuEngine:
             raise
         engine.started = [r for r in replies if r["event"] == "started"]
         engine.failed = [r for r in replies if r["event"] == "startup_failed"]
+        engine.stopped = [r for r in replies if r["event"] == "stopped"]
         if engine.failed:
             engine.join(30)
         return engine
@@ -780,8 +826,15 @@ class CpuEngine:
         """Run ``count`` rebalances, then stop every rank inside the next one's first move."""
         return self._stop("stop_in_move", count, timeout)
 
-    def _stop(self, verb: str, count: int, timeout: float) -> list[dict[str, Any]]:
-        replies = self.ask(verb, timeout, count=count)
+    def stop_at_commit(
+        self, count: int, skip_rank: int, timeout: float = 180.0
+    ) -> list[dict[str, Any]]:
+        """Run ``count`` rebalances, then stop every rank at the next one's first commit, which
+        every rank but ``skip_rank`` sends (so only their daemons record it)."""
+        return self._stop("stop_at_commit", count, timeout, skip_rank=skip_rank)
+
+    def _stop(self, verb: str, count: int, timeout: float, **fields: Any) -> list[dict[str, Any]]:
+        replies = self.ask(verb, timeout, count=count, **fields)
         for reply in replies:
             if reply["event"] != "stopped":
                 raise EngineRankError(f"rank {reply['rank']} did not stop: {reply}")

@@ -260,7 +260,8 @@ def open_layout_service(
     daemon's CUDA-IPC tensors) and does what a real daemon with a model does: fingerprints its
     local slots at start (version 0) and checks replicas, fingerprints the moved layers at each
     commit, and answers the content check and repairs from them, as
-    ``--expert-layout-content-check`` (else ``settings.CONTENT_CHECK``) says.
+    ``--expert-layout-content-check`` (else ``settings.CONTENT_CHECK``) says; it reloads slots
+    from the synthetic checkpoint when asked (``synthetic_reload``: heal ``off``).
     """
     from sglang_integration.daemon.checkpoint_identity import checkpoint_digest
     from sglang_integration.daemon.record_opening import (
@@ -285,10 +286,15 @@ def open_layout_service(
     source: ContentSource | None = slots
     if slots is not None and args.fingerprint_gate:
         source = GatedSlots(slots, args.fingerprint_gate)
+    healing = None
+    if args.experts:
+        from sglang_integration.testing.synthetic_reload import synthetic_healing
+
+        healing = synthetic_healing(args.experts, args.expert_rank, slots)
     if args.in_memory:
         record = LayoutRecord.in_memory(geometry, initial_map, content=content)
         check_loaded_content(record, mode)
-        return LayoutService(record, source), None
+        return LayoutService(record, source, healing), None
     opened = open_before_load(
         args.ledger, Retention(keep_versions=args.keep_versions, prune_every=args.prune_every)
     )
@@ -319,7 +325,7 @@ def open_layout_service(
         content=content,
         mode=mode,
     )
-    return LayoutService(record, source), opened.ledger
+    return LayoutService(record, source, healing), opened.ledger
 
 
 def content_mode(args: argparse.Namespace) -> ContentCheck:
