@@ -40,6 +40,7 @@ NO_PATH = {
     "backup": (["{tmp}/"], exit_codes.OK),
     "cordon": ([], exit_codes.NOT_RUNNING),
     "uncordon": ([], exit_codes.NOT_RUNNING),
+    "heal": ([], exit_codes.NOT_RUNNING),
     "retire": ([], exit_codes.OK),
     "unretire": ([], exit_codes.OK),
 }
