@@ -38,6 +38,7 @@ ARGUMENTS = {
     "backup": ["{tmp}/copy.sqlite"],
     "cordon": [],
     "uncordon": [],
+    "heal": [],
     "retire": [],
     "unretire": [],
 }
