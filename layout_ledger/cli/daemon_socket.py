@@ -82,6 +82,21 @@ def ask(socket_path: str, request: WireRequest, timeout: float = TIMEOUT) -> Rep
     return Reply.from_wire(raw, request_type=request_type, peer=socket_path)
 
 
+def unsuccessful_result(reply: Reply) -> str:
+    """The result a command reports for a reply that did not do what it asked (one name per
+    outcome, the same in every command that asks daemons: ``cordon``, ``uncordon``, ``heal``)."""
+    return _UNSUCCESSFUL.get(reply.outcome, "error")
+
+
+_UNSUCCESSFUL = {
+    Outcome.NO_RECORD: "no_record",
+    Outcome.NO_DAEMON: "not_running",
+    Outcome.REFUSED: "refused",
+    Outcome.OLDER_DAEMON: "older_daemon",
+    Outcome.UNREACHABLE: "unreachable",
+}
+
+
 def _read_exactly(conn: socket.socket, count: int) -> bytes:
     buffer = bytearray()
     while len(buffer) < count:

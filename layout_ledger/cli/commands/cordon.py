@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from layout_ledger.cli import exit_codes
-from layout_ledger.cli.daemon_socket import ask
+from layout_ledger.cli.daemon_socket import ask, unsuccessful_result
 from layout_ledger.cli.json_shape import JsonShaped
 from layout_ledger.cli.output import emit
 from layout_ledger.cli.path_expansion import expand_ledger_paths
@@ -167,14 +167,7 @@ def _ask_one(target: Target, request: CordonRequest | UncordonRequest, verb: str
     if reply.outcome is Outcome.OK:
         view = CordonView.from_wire(reply.body.get("cordon"))
         return answer("cordoned" if verb == "cordon" else "uncordoned", view)
-    results = {
-        Outcome.NO_RECORD: "no_record",
-        Outcome.NO_DAEMON: "not_running",
-        Outcome.REFUSED: "refused",
-        Outcome.OLDER_DAEMON: "older_daemon",
-        Outcome.UNREACHABLE: "unreachable",
-    }
-    return answer(results.get(reply.outcome, "error"), detail=reply.reason)
+    return answer(unsuccessful_result(reply), detail=reply.reason)
 
 
 def render_cordon(report: CordonReport) -> list[str]:

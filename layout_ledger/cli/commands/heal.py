@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from layout_ledger.cli import exit_codes
 from layout_ledger.cli.commands.cordon import Target, daemon_targets
-from layout_ledger.cli.daemon_socket import ask
+from layout_ledger.cli.daemon_socket import ask, unsuccessful_result
 from layout_ledger.cli.json_shape import JsonShaped
 from layout_ledger.cli.output import emit
 from layout_ledger.wire.protocol import HealRequest, Outcome
@@ -82,14 +82,7 @@ def _heal_one(target: Target) -> HealAnswer:
     reply = ask(target.socket_path, HealRequest(), timeout=HEAL_TIMEOUT)
     if reply.outcome is Outcome.OK and reply.layout is not None:
         return answer("healed", reply.layout.version, reply.layout.digest)
-    results = {
-        Outcome.NO_RECORD: "no_record",
-        Outcome.NO_DAEMON: "not_running",
-        Outcome.REFUSED: "refused",
-        Outcome.OLDER_DAEMON: "older_daemon",
-        Outcome.UNREACHABLE: "unreachable",
-    }
-    return answer(results.get(reply.outcome, "error"), detail=reply.reason)
+    return answer(unsuccessful_result(reply), detail=reply.reason)
 
 
 def render_heal(report: HealReport) -> list[str]:
