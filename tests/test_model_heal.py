@@ -31,6 +31,7 @@ from sglang_integration.testing.checkpoint import CheckpointSpec, write_checkpoi
 from sglang_integration.testing.checkpoint_experts import CheckpointExperts, count_matching
 from sglang_integration.testing.daemon_control import EngineStandIn, request
 from sglang_integration.testing.daemons import ModelDaemonGroup, start_model_daemons
+from sglang_integration.testing.gpu_stand_ins import post_load_factor
 from sglang_integration.testing.routed_weights import attach_routed_weights
 
 pytestmark = pytest.mark.timeout(600)
@@ -405,3 +406,115 @@ def test_a_daemon_that_cannot_verify_reloaded_slots_refuses_reloads_and_says_why
         assert f"heal:                unavailable: {reason}" in status.stdout
     finally:
         group.stop()
+
+
+def _right_slots_as_loaded(group: ModelDaemonGroup, checkpoint: Path, rank: int) -> int:
+    """How many of the rank's local slots hold, byte for byte, the checkpoint expert its map
+    names as the post-load stand-in leaves it (``gpu_stand_ins.post_load_factor``): the factor
+    undone on a copy (a power of two: exact), then judged."""
+    routed = attach_routed_weights(group.socket(rank))
+    undone = {
+        layer: [
+            tensor.clone().mul_(1.0 / post_load_factor(name, tensor))
+            for tensor, name in zip(tensors, routed.names[layer], strict=True)
+        ]
+        for layer, tensors in routed.routed_experts_weights_of_layer.items()
+    }
+    held = CheckpointExperts(checkpoint).judge_routed(undone, routed.names, NUM_EXPERTS)
+    the_map = _layout(group, rank)["physical_to_logical_map"]
+    return count_matching(held, the_map, rank * LOCAL)
+
+
+def _ask(group: ModelDaemonGroup, rank: int, message: dict[str, Any]) -> Any:
+    return request(group.socket(rank), message, timeout=60)
+
+
+def _status(*ledgers: str, json_output: bool = False) -> str:
+    cli = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "layout-ledger"),
+            "status",
+            *ledgers,
+            *(["--json"] if json_output else []),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return cli.stdout
+
+
+def test_a_daemon_whose_post_load_step_changes_the_experts_refuses_heal_and_reload_and_says_why(
+    checkpoint: Path, model: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Only where a raw reload is right (issue 32): the daemon's load-time check finds that a
+    raw reload would not give back what its load left, turns heal and reload off with the
+    reason, and puts the slots it tried back as its load left them."""
+    if model != "qwen3_moe":
+        pytest.skip("one model is enough: the check is the same for every model")
+    plain: ModelDaemonGroup = request.getfixturevalue("group")
+    rescaled = start_model_daemons(
+        tmp_path / "run",
+        checkpoint,
+        ep_size=RANKS,
+        num_redundant_experts=NUM_REDUNDANT,
+        model=model,
+        daemon_args=["--post-load-rescale"],
+    )
+    reason = (
+        "sglang's post-load processing changes the experts on this backend (layer 0's tensor 0 "
+        "differs after a raw reload from the checkpoint); heal and reload are off, a dirty "
+        "daemon must be restarted"
+    )
+    try:
+        for rank in range(RANKS):
+            assert f"no heal or reload from the checkpoint: {reason}" in rescaled.log(rank)
+            # No slot holds the checkpoint's bytes; every one holds what the load left (the
+            # check's reload of layer 0 was put back).
+            assert _right_slots(rescaled, checkpoint, rank) == 0
+            assert _right_slots_as_loaded(rescaled, checkpoint, rank) == _all_slots(rescaled)
+        assert f"heal:                unavailable: {reason}\n" in _status(rescaled.ledger(0))
+        reports = json.loads(_status(plain.ledger(0), rescaled.ledger(0), json_output=True))
+        assert [report["heal"] for report in reports["ledgers"]] == [
+            {"mode": "auto", "available": True, "reason": None},
+            {"mode": None, "available": False, "reason": reason},
+        ]
+
+        before, kinds = _layout(rescaled, 0), _events(rescaled, 0)
+        engine = EngineStandIn.start(rescaled.socket(0), "engine-r")
+        new_map = [list(row) for row in before["physical_to_logical_map"]]
+        new_map[1][0], new_map[1][1] = new_map[1][1], new_map[1][0]
+        reply = _reload(rescaled, 0, before["version"], before["version"] + 1, new_map)
+        assert reply == {
+            "status": "refused",
+            "reason": f"this daemon cannot reload from its checkpoint: {reason}",
+        }
+        engine.exit()
+        deadline = time.monotonic() + 30
+        while _events(rescaled, 0)[-1] != "detach" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _right_slots_as_loaded(rescaled, checkpoint, 0) == _all_slots(rescaled)
+
+        _spoil_mid_move(rescaled)
+        check = _ask(rescaled, 0, {"type": "expert_layout_content_check"})
+        assert check["content"]["dirty"]
+        reply = _ask(rescaled, 0, {"type": "expert_layout_heal"})
+        assert reply == {
+            "status": "refused",
+            "reason": f"this daemon cannot heal: {reason}; restart it",
+        }
+        time.sleep(0.3)  # no heal of its own follows
+        after = _layout(rescaled, 0)
+        assert after["dirty"]
+        assert (after["version"], after["digest"]) == (before["version"], before["digest"])
+        assert _events(rescaled, 0)[len(kinds) :] == [
+            "attach",
+            "reload_refused",
+            "detach",
+            "content_dirty",
+            "heal_refused",
+        ]
+        _verified(rescaled, 0)
+    finally:
+        rescaled.stop()

@@ -263,6 +263,7 @@ def spec_with_flags(
         plugin=not flags.without_plugin,
         init_expert_location=flags.init_expert_location,
         log_level=flags.log_level,
+        post_load_rescale=flags.post_load_rescale,
         env=tuple(sorted(daemon_environment(flags).items())),
     )
 

@@ -26,7 +26,20 @@ names the line each stands in for):
    the routed-expert parameters are moved into a shared-memory file every engine maps
    (``routed_weights``), and the daemon states no transport entries (``export_to_shared_memory``).
 
-``install(daemon_module)`` installs the five in this process. Everything else of the daemon
+One more, off unless asked for (``--post-load-rescale``), stands in for a GPU-only backend rather
+than for a missing GPU:
+
+6. **A post-load step that changes the loaded experts.** On some backends sglang's post-load
+   processing (``DefaultModelLoader.postprocess_weights``, which runs each quant method's
+   ``process_weights_after_loading`` at the end of the load) rewrites the routed experts: UE8M0
+   requantisation on DeepGEMM, flashinfer trtllm's layouts. None of them runs on a CPU; in their
+   place ``rescale_after_post_load`` wraps that step so that, after it, every routed-expert
+   tensor is rescaled in place (``POST_LOAD_FACTORS``: ``w13`` times 2, ``w2`` times 1/2, every
+   expert alike, exact in BF16 and for FP8 block scales; FP8 weights themselves are left). The
+   checkpoint's bytes are then no longer what a slot holds, as on those backends, so a raw
+   reload from the checkpoint would not give back what the load left.
+
+``install(daemon_module)`` installs the first five in this process. Everything else of the daemon
 (``__init__``, ``_init_distributed``'s process groups,
 ``_initialize_eplb_expert_location_metadata``, the rest of ``load`` with the model build and the
 loader, ``_await_cluster_ready_to_serve``, ``serve``, ``_handle_connection``) is sglang's own,
@@ -46,6 +59,7 @@ from sglang_integration.upstream_lines import UpstreamLine
 logger = logging.getLogger(__name__)
 
 _DAEMON_FILE = "srt/weight_cache/daemon.py"
+_LOADER_FILE = "srt/model_loader/loader.py"
 UPSTREAM_LINES = (
     UpstreamLine(
         "srt/platforms/__init__.py",
@@ -95,7 +109,25 @@ UPSTREAM_LINES = (
         "self.transport_backend = choose_daemon_transport_backend(state_tensors)",
         "5: what the export leaves for fetch_state: a transport and its entries",
     ),
+    UpstreamLine(
+        _LOADER_FILE,
+        1030,
+        "DefaultModelLoader.postprocess_weights(model, target_device)",
+        "6: the load ends with the post-load step, called through the class",
+    ),
+    UpstreamLine(
+        _LOADER_FILE,
+        1079,
+        "def postprocess_weights(model, target_device):",
+        "6: the post-load step the stand-in wraps (each quant method's "
+        "process_weights_after_loading)",
+    ),
 )
+
+
+# Stand-in 6: the factor of each routed-expert tensor, by the prefix of its FusedMoE parameter
+# name (``w13_weight``, ``w13_weight_scale_inv``, ...). Powers of two: exact, and undone exactly.
+POST_LOAD_FACTORS = {"w13_": 2.0, "w2_": 0.5}
 
 
 def device_name(gpu_id: int) -> str:
@@ -198,3 +230,48 @@ def export_to_shared_memory(daemon: Any) -> None:
     export_routed_weights(daemon.model, daemon.socket_path, int(get_parallel().moe_ep_rank))
     daemon.state_entries = {}
     daemon.transport_backend = choose_daemon_transport_backend({})
+
+
+def post_load_factor(name: str, tensor: Any) -> float:
+    """Stand-in 6's factor for the routed-expert tensor ``name`` (a FusedMoE parameter name);
+    1.0 for one it leaves (FP8 weights: their block scales carry the change)."""
+    if not tensor.is_floating_point() or tensor.element_size() < 2:
+        return 1.0
+    for prefix, factor in POST_LOAD_FACTORS.items():
+        if name.startswith(prefix):
+            return factor
+    return 1.0
+
+
+def rescale_routed_experts(model: Any) -> int:
+    """Stand-in 6's change, in place: every routed-expert parameter of every FusedMoE layer
+    times its ``post_load_factor``. Returns how many tensors changed."""
+    from sglang_integration.testing.routed_weights import routed_parameters
+
+    changed = 0
+    for _layer, name, param in routed_parameters(model):
+        factor = post_load_factor(name, param.data)
+        if factor != 1.0:
+            param.data.mul_(factor)
+            changed += 1
+    return changed
+
+
+def rescale_after_post_load() -> None:
+    """Stand-in 6: sglang's post-load step, then ``rescale_routed_experts`` (in this process)."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    original = DefaultModelLoader.postprocess_weights
+    if getattr(original, "_rescales_experts", False):
+        return
+
+    @functools.wraps(original)
+    def postprocess_then_rescale(model: Any, target_device: Any) -> None:
+        original(model, target_device)
+        changed = rescale_routed_experts(model)
+        logger.info(
+            "post-load stand-in: %d routed-expert tensors rescaled (w13 x2, w2 x1/2)", changed
+        )
+
+    postprocess_then_rescale._rescales_experts = True  # type: ignore[attr-defined]
+    DefaultModelLoader.postprocess_weights = staticmethod(postprocess_then_rescale)

@@ -19,7 +19,9 @@ The daemon flags (``add_daemon_flags``) are the model-less daemon's (``testing.d
 ``--expert-layout-content-check``, ``--keep-versions``, ``--prune-every``,
 ``--request-timeout``, ``--no-record``, ``--without-plugin``, ``--log-level``, and every other
 ``--expert-layout-*`` flag of the daemon launcher (``settings``); they reach the daemon as the
-launcher hands them to spawned daemons, in the environment.
+launcher hands them to spawned daemons, in the environment. One more is the toolkit's own:
+``--post-load-rescale`` installs ``gpu_stand_ins``' optional stand-in 6 (a backend whose
+post-load step changes the loaded experts).
 """
 
 from __future__ import annotations
@@ -79,6 +81,13 @@ def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
         metavar="JSON_OR_FILE",
         help="sglang's --init-expert-location: the initial physical_to_logical_map",
     )
+    group.add_argument(
+        "--post-load-rescale",
+        action="store_true",
+        help="testing only: a stand-in for a GPU backend whose post-load processing changes the "
+        "loaded routed experts (UE8M0 requantisation, flashinfer trtllm layouts): after sglang's "
+        "post-load step, w13 x2 and w2 x1/2 in place",
+    )
     group.add_argument("--log-level", default="INFO")
 
 
@@ -106,6 +115,7 @@ class ModelDaemonSpec:
     plugin: bool = True
     init_expert_location: str | None = None
     log_level: str = "INFO"
+    post_load_rescale: bool = False  # gpu_stand_ins' stand-in 6
     env: tuple[tuple[str, str], ...] = field(default=())
 
     def path(self, rank: int, suffix: str) -> str:
@@ -173,6 +183,8 @@ def run_model_daemon(spec: ModelDaemonSpec, rank: int, log_path: str | None = No
     from sglang_integration.testing import gpu_stand_ins
 
     gpu_stand_ins.install(daemon_module)
+    if spec.post_load_rescale:
+        gpu_stand_ins.rescale_after_post_load()
     if spec.plugin:
         from sglang_integration.daemon.hooks import install_daemon_hooks
 

@@ -82,7 +82,7 @@ class RoutedManifest:
 # --- the daemon's side ---------------------------------------------------------------------------
 
 
-def _routed_parameters(model: Any) -> list[tuple[int, str, Any]]:
+def routed_parameters(model: Any) -> list[tuple[int, str, Any]]:
     """``(layer id, name, parameter)`` of every FusedMoE parameter with a slot dimension first.
 
     The superset of what the model's ``get_moe_weights`` hands sglang's updater (those with
@@ -113,7 +113,7 @@ def export_routed_weights(model: Any, socket_path: str, moe_ep_rank: int) -> Rou
     """
     import torch
 
-    params = _routed_parameters(model)
+    params = routed_parameters(model)
     if not params:
         raise SharedWeightsError(
             "the loaded model has no FusedMoE parameters to share; the model-backed daemon "
