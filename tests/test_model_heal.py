@@ -7,7 +7,9 @@ slots (the daemons heal by themselves, every slot right against the checkpoint, 
 version), a move left while another engine is attached (no heal by itself; ``expert_layout_heal``
 heals it), ``expert_layout_reload`` into a new map (the version jumps, every slot right, verify
 clean) and its refusals (nothing changes but one ``reload_refused``). A restart then restores the
-reloaded version: the offer accepts the jump.
+reloaded version: the offer accepts the jump. Two more groups (Qwen3-MoE) cannot reload, and say
+why: one with the content check off, one with the post-load stand-in (``--post-load-rescale``:
+a backend whose post-load step changes the loaded experts).
 """
 
 from __future__ import annotations
@@ -411,7 +413,9 @@ def test_a_daemon_that_cannot_verify_reloaded_slots_refuses_reloads_and_says_why
 def _right_slots_as_loaded(group: ModelDaemonGroup, checkpoint: Path, rank: int) -> int:
     """How many of the rank's local slots hold, byte for byte, the checkpoint expert its map
     names as the post-load stand-in leaves it (``gpu_stand_ins.post_load_factor``): the factor
-    undone on a copy (a power of two: exact), then judged."""
+    undone on a copy (a power of two: exact), then judged. Judged against the checkpoint, not
+    the load's recorded fingerprints: they are taken after the load-time reload check, so they
+    would agree with slots the check failed to put back."""
     routed = attach_routed_weights(group.socket(rank))
     undone = {
         layer: [
