@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from demo_cases import DemoConfig, Workspace
+from demo_cases import DemoConfig
 from demo_cases.case7 import run_case7
+from demo_cases.workspace import started_workspace
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -18,12 +19,8 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
 def test_a_daemon_left_mid_move_heals_itself_and_engine_b_starts_on_it(model: str) -> None:
     config = DemoConfig(model=model)
-    workspace = Workspace(config)
-    try:
-        workspace.start_processes()
+    with started_workspace(config) as workspace:
         case = run_case7(workspace)
-    finally:
-        workspace.close()
     failed = [
         f"{check.what}: expected {check.expected}, got {check.measured}" for check in case.failed
     ]

@@ -18,7 +18,13 @@ from typing import Any
 import pytest
 
 from demo_cases import DemoConfig, Workspace
-from demo_cases.workspace import held_map, matching, query_daemons, wait_for_daemons
+from demo_cases.workspace import (
+    held_map,
+    matching,
+    query_daemons,
+    started_workspace,
+    wait_for_daemons,
+)
 from sglang_integration.testing.shared_experts import attach_shared_experts, expert_values
 
 pytestmark = pytest.mark.timeout(600)
@@ -29,12 +35,8 @@ OFF = (("SGLANG_EXPERT_LAYOUT_CONTENT_CHECK", "off"),)
 
 @pytest.fixture(scope="module")
 def workspace() -> Iterator[Workspace]:
-    space = Workspace(CONFIG)
-    try:
-        space.start_processes()
+    with started_workspace(CONFIG) as space:
         yield space
-    finally:
-        space.close()
 
 
 def _lines(report: dict[str, Any], level: str) -> list[str]:

@@ -18,7 +18,13 @@ from typing import Any
 import pytest
 
 from demo_cases import DemoConfig, Workspace
-from demo_cases.workspace import held_map, matching, query_daemons, wait_for_daemons
+from demo_cases.workspace import (
+    held_map,
+    matching,
+    query_daemons,
+    started_workspace,
+    wait_for_daemons,
+)
 from layout_ledger.core.layout import layout_digest, trivial_map
 from sglang_integration.testing.daemon_control import EngineStandIn
 from sglang_integration.testing.shared_experts import attach_shared_experts, expert_values
@@ -36,12 +42,8 @@ NEWEST = [MOVED_ROW, *INITIAL[1:]]
 
 @pytest.fixture(scope="module")
 def workspace() -> Iterator[Workspace]:
-    space = Workspace(CONFIG)
-    try:
-        space.start_processes()
+    with started_workspace(CONFIG) as space:
         yield space
-    finally:
-        space.close()
 
 
 def commit_on_rank_zero_only(expert_dir: Path, daemons: list[Any]) -> None:

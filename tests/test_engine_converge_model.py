@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from demo_cases import DemoConfig, Workspace
-from demo_cases.workspace import matching, query_daemons
+from demo_cases.workspace import matching, query_daemons, started_workspace
 from layout_ledger.core.layout import Map, layout_digest
 from sglang_integration.testing.daemon_control import EngineStandIn, request
 
@@ -42,12 +42,8 @@ def with_rows(rows: dict[int, list[int]]) -> Map:
 
 @pytest.fixture(scope="module")
 def workspace() -> Iterator[Workspace]:
-    space = Workspace(CONFIG)
-    try:
-        space.start_processes()
+    with started_workspace(CONFIG) as space:
         yield space
-    finally:
-        space.close()
 
 
 def ahead_on_daemon_zero(daemon: Any, version: int, the_map: Map) -> None:

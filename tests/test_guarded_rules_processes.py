@@ -37,7 +37,7 @@ import pytest
 from ledger_support import refusals_added, table_dump
 
 from demo_cases import DemoConfig, Workspace
-from demo_cases.workspace import query_daemons, wait_for_daemons
+from demo_cases.workspace import query_daemons, started_workspace, wait_for_daemons
 from layout_ledger.core.layout import layout_digest, trivial_map
 from layout_ledger.core.startup_verdict import FindingKind
 from layout_ledger.core.state import PendingMove
@@ -89,12 +89,8 @@ class Relays:
 
 @pytest.fixture(scope="module")
 def workspace() -> Iterator[Workspace]:
-    space = Workspace(CONFIG)
-    try:
-        space.start_processes()
+    with started_workspace(CONFIG) as space:
         yield space
-    finally:
-        space.close()
 
 
 @pytest.fixture

@@ -33,6 +33,9 @@ whole ``run``:
   restores A's last version (B starts on it, balanced, every slot right); with the plugin
   disabled the restarted daemons load the initial layout; then the restore's fallbacks (rows
   edited, ``--expert-layout-restore initial``, another geometry) each say why (``case6``).
+- Case 7 (a): a dirty daemon heals itself from its checkpoint: A SIGKILLed mid-move with
+  half-written and zero-filled slots; the same daemon processes reload those layers' experts
+  and are clean at the last committed version; B starts on them (``case7``).
 - Case 7 (b): daemons at different versions converge: A SIGKILLed between its ranks' commits,
   rank 1's daemon back clean a version behind (healed, or restarted alone); B brings it to the
   newest version (a reload from its checkpoint here) and starts on it on both ranks

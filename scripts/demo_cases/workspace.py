@@ -361,6 +361,18 @@ class Workspace:
 
 
 @contextlib.contextmanager
+def started_workspace(config: DemoConfig) -> Iterator[Workspace]:
+    """A ``Workspace`` with its processes started; closed on the way out, however it is left
+    (every process stopped, its temp dirs removed)."""
+    workspace = Workspace(config)
+    try:
+        workspace.start_processes()
+        yield workspace
+    finally:
+        workspace.close()
+
+
+@contextlib.contextmanager
 def _output_to(path: Path) -> Iterator[None]:
     """File descriptors 1 and 2 point at ``path`` inside the block (for processes it starts)."""
     sys.stdout.flush()

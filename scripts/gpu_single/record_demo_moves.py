@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE.parent))  # scripts/: harness, demo_cases, gpu_singl
 
 from demo_cases.case1 import run_case1  # noqa: E402
 from demo_cases.config import DemoConfig  # noqa: E402
-from demo_cases.workspace import Workspace  # noqa: E402
+from demo_cases.workspace import started_workspace  # noqa: E402
 from gpu_single.moves import DEMO_MOVES_PATH  # noqa: E402
 
 
@@ -59,17 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEMO_MOVES_PATH)
     args = parser.parse_args(argv)
     config = DemoConfig()
-    workspace = Workspace(config)
-    try:
-        workspace.start_processes()
+    with started_workspace(config) as workspace:
         result = run_case1(workspace)
         if result.failed:
             print(f"the demo's case 1 failed: {result.failed}", file=sys.stderr)
             return 1
         ledger = workspace.case_dir("case1") / "daemon0.sqlite"
         commits = read_commits(str(ledger))
-    finally:
-        workspace.close()
     document = {
         "source": "scripts/gpu_single/record_demo_moves.py: the CPU demo's case 1, rank 0's ledger",
         "num_layers": config.num_layers,
