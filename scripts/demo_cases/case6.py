@@ -112,16 +112,7 @@ def _restored(
         ),
         all(layout is not None and layout.physical_to_logical_map == a_map for layout in layouts),
     )
-    held = workspace.held_map(expert_dir)
-    right = matching(held, config.moe_rows(a_map))
-    result.check(
-        "slots holding the expert A's map names (vs the checkpoint)"
-        if workspace.model_backed
-        else "slots holding the expert A's map names",
-        slots(config.all_slots, config),
-        slots(right, config),
-        right == config.all_slots,
-    )
+    workspace.check_slots_hold(result, expert_dir, a_map, "A's")
     clean = [layout is not None and not layout.dirty for layout in layouts]
     result.check(
         "each slot checked against its ledger at load: clean",

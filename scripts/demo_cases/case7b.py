@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from demo_cases.results import CaseResult, both, per_rank, slots
-from demo_cases.workspace import Workspace, matching, query_daemons, wait_for_daemons
+from demo_cases.workspace import Workspace, query_daemons, wait_for_daemons
 
 
 def run_case7b(workspace: Workspace) -> CaseResult:
@@ -130,16 +130,7 @@ def _engine_b_converges(
         ", ".join(kinds),
         kinds[-2:] == ["begin", "commit"] or kinds[-1:] == ["reload"],
     )
-    held = workspace.held_map(experts)
-    right = matching(held, config.moe_rows(newest))
-    result.check(
-        "slots holding the expert the newest map names (vs the checkpoint)"
-        if workspace.model_backed
-        else "slots holding the expert the newest map names",
-        slots(config.all_slots, config),
-        slots(right, config),
-        right == config.all_slots,
-    )
+    workspace.check_slots_hold(result, experts, newest, "the newest")
     b_right = sum(r["matching"] for r in reports)
     result.check(
         "B: slots holding the expert B's map names",

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from demo_cases.config import DemoConfig
+from demo_cases.results import CaseResult, slots
 from layout_ledger.core.layout import Map, trivial_map
 from sglang_integration.testing.cpu_engine import (
     CpuEngine,
@@ -298,6 +299,20 @@ class Workspace:
         return alive
 
     # ------------------------------------------------------------ what the slots hold
+
+    def check_slots_hold(
+        self, result: CaseResult, expert_dir: Path, the_map: Map, whose: str
+    ) -> None:
+        """One check of ``result``: every slot holds the expert ``the_map`` (``whose`` map)
+        names there, read from shared memory (``held_map``)."""
+        right = matching(self.held_map(expert_dir), self.config.moe_rows(the_map))
+        result.check(
+            f"slots holding the expert {whose} map names"
+            + (" (vs the checkpoint)" if self.model_backed else ""),
+            slots(self.config.all_slots, self.config),
+            slots(right, self.config),
+            right == self.config.all_slots,
+        )
 
     def held_map(self, expert_dir: Path) -> Map:
         """Which logical expert every slot of each MoE layer holds, read by this process from
