@@ -324,7 +324,8 @@ class Workspace:
 
         rows: dict[int, list[int]] = {}
         for rank in range(self.config.ep_size):
-            experts = ModelExperts(str(expert_dir / f"rank{rank}.sock"), str(self.checkpoint))
+            socket = str(expert_dir / f"rank{rank}.sock")
+            experts = ModelExperts.of_daemon(socket, str(self.checkpoint))
             for layer, held in experts.held_rows().items():
                 rows.setdefault(layer, []).extend(held)
         return [rows[layer] for layer in self.config.moe_layer_ids]

@@ -366,6 +366,13 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return config
 
 
+def forward_runs_on_cpu(directory: str | os.PathLike[str]) -> bool:
+    """Whether sglang's forward pass of this checkpoint runs on a CPU: plain BF16 or float32
+    weights do (torch matmuls); FP8 blocks (a ``quantization_config``) do not, their block
+    matmuls are triton kernels."""
+    return "quantization_config" not in read_config(directory)
+
+
 def describe(spec: CheckpointSpec) -> str:
     moe = len(spec.moe_layers)
     return (

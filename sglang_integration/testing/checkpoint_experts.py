@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sglang_integration.testing.checkpoint import read_tensors
 from sglang_integration.testing.model_errors import CheckpointError
@@ -76,12 +76,20 @@ class CheckpointExperts:
     def __init__(self, checkpoint: str | Path) -> None:
         self.checkpoint = Path(checkpoint)
         self._expected: dict[tuple[int, int, tuple[str, ...]], list[Any]] = {}
-        self._contents: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._contents: dict[tuple[int, tuple[str, ...], tuple[str, ...]], Any] = {}
 
-    def expected_tensors(self, layer: int, expert: int, names: Sequence[str]) -> list[Any]:
-        """Expert ``expert`` of ``layer`` as one slot of the routed tensors ``names``."""
+    def expected_tensors(
+        self, layer: int, expert: int, names: Sequence[str], dtypes: Sequence[Any] = ()
+    ) -> list[Any]:
+        """Expert ``expert`` of ``layer`` as one slot of the routed tensors ``names``; with
+        ``dtypes`` (one per name), each in the slot's dtype where the checkpoint's widens into
+        it losslessly (a model loaded in float32 from a BF16 checkpoint: sglang's loader casts
+        the same way), else as stored."""
         import torch
 
+        if dtypes:
+            stored = self.expected_tensors(layer, expert, names)
+            return [_widened(t, dtype) for t, dtype in zip(stored, dtypes, strict=True)]
         key = (layer, expert, tuple(names))
         found = self._expected.get(key)
         if found is not None:
@@ -114,10 +122,13 @@ class CheckpointExperts:
         first dimension the local slots, named ``names``)."""
         import torch
 
+        dtypes = [t.dtype for t in tensors]
         experts = [
-            [_raw(t) for t in self.expected_tensors(layer, e, names)] for e in range(num_experts)
+            [_raw(t) for t in self.expected_tensors(layer, e, names, dtypes)]
+            for e in range(num_experts)
         ]
-        for t, expected in zip(tensors, self.expected_tensors(layer, 0, names), strict=True):
+        first = self.expected_tensors(layer, 0, names, dtypes)
+        for t, expected in zip(tensors, first, strict=True):
             if tuple(t.shape[1:]) != tuple(expected.shape) or t.dtype != expected.dtype:
                 raise CheckpointError(
                     f"layer {layer}: a slot's tensor is {tuple(t.shape[1:])} {t.dtype}, the "
@@ -140,23 +151,29 @@ class CheckpointExperts:
                 judged.append(SlotContent((), _zero_filled()))
             else:
                 slot_tensors = [t[slot] for t in tensors]
-                text = self._described(layer, slot_tensors, names, num_experts)
+                text = self._described(layer, slot_tensors, names, num_experts, dtypes)
                 judged.append(SlotContent((), text))
         return judged
 
     def _described(
-        self, layer: int, held: Sequence[Any], names: Sequence[str], num_experts: int
+        self,
+        layer: int,
+        held: Sequence[Any],
+        names: Sequence[str],
+        num_experts: int,
+        dtypes: Sequence[Any],
     ) -> str:
         """A slot that is no whole expert, part by part (the fingerprints' words)."""
         from layout_ledger.core.content import ExpertContents
         from sglang_integration.content.fingerprints import fingerprint_hex, fingerprint_slots
 
-        key = (layer, tuple(names))
+        key = (layer, tuple(names), tuple(str(dtype) for dtype in dtypes))
         contents = self._contents.get(key)
         if contents is None:
             contents = ExpertContents()
             for expert in range(num_experts):
-                slot = [t.unsqueeze(0) for t in self.expected_tensors(layer, expert, names)]
+                expected = self.expected_tensors(layer, expert, names, dtypes)
+                slot = [t.unsqueeze(0) for t in expected]
                 fingerprint = fingerprint_hex(fingerprint_slots(slot, 1))[0]
                 contents.learn(layer, expert, fingerprint, f"checkpoint expert {expert}")
             self._contents[key] = contents
@@ -174,6 +191,15 @@ class CheckpointExperts:
             layer: self.judge_layer(layer, routed[layer], names[layer], num_experts)
             for layer in sorted(routed)
         }
+
+
+def _widened(tensor: Any, dtype: Any) -> Any:
+    """``tensor`` in ``dtype`` when that is a wider float (16-bit into float32), else as is."""
+    import torch
+
+    if dtype == torch.float32 and tensor.dtype in (torch.bfloat16, torch.float16):
+        return tensor.to(dtype)
+    return tensor
 
 
 def _raw(tensor: Any) -> Any:
@@ -224,18 +250,42 @@ def num_routed_experts(config: Mapping[str, Any]) -> int:
     raise CheckpointError("config.json names no routed experts (num_experts, n_routed_experts)")
 
 
+class RoutedTensors(Protocol):
+    """One rank's routed-expert tensors by MoE layer, named, and where its slots start."""
+
+    @property
+    def routed_experts_weights_of_layer(self) -> dict[int, list[Any]]: ...
+
+    @property
+    def names(self) -> dict[int, list[str]]: ...
+
+    @property
+    def first_slot(self) -> int: ...
+
+    @property
+    def num_local_slots(self) -> int: ...
+
+
 class ModelExperts:
-    """An engine rank's view of its daemon's real routed experts, mapped from the daemon's shared
-    file and judged against the checkpoint (what ``shared_experts.SharedExperts`` is for the
-    synthetic stand-in: ``model()``, ``count_matching_slots``, ``slot_count``)."""
+    """One rank's real routed experts judged against the checkpoint: a daemon's, mapped from its
+    shared file (``of_daemon``), or any tensors in that shape (``routed_experts_weights_of_layer``,
+    ``names``, ``first_slot``, ``num_local_slots``: an engine's own, ``engine_model``); what
+    ``shared_experts.SharedExperts`` is for the synthetic stand-in (``count_matching_slots``,
+    ``slot_count``)."""
 
-    def __init__(self, socket_path: str, checkpoint: str | Path) -> None:
+    def __init__(self, weights: RoutedTensors, checkpoint: str | Path) -> None:
         from sglang_integration.testing.checkpoint import read_config
-        from sglang_integration.testing.routed_weights import attach_routed_weights
 
-        self.weights = attach_routed_weights(socket_path)
+        self.weights = weights
         self.judge = CheckpointExperts(checkpoint)
         self.num_experts = num_routed_experts(read_config(checkpoint))
+
+    @classmethod
+    def of_daemon(cls, socket_path: str, checkpoint: str | Path) -> ModelExperts:
+        """The routed experts of the daemon serving ``socket_path``, mapped read-write."""
+        from sglang_integration.testing.routed_weights import attach_routed_weights
+
+        return cls(attach_routed_weights(socket_path), checkpoint)
 
     @property
     def first_slot(self) -> int:
@@ -245,11 +295,6 @@ class ModelExperts:
     def slot_count(self) -> int:
         """The judged slots: this rank's local slots of every MoE layer."""
         return len(self.weights.routed_experts_weights_of_layer) * self.weights.num_local_slots
-
-    def model(self) -> Any:
-        from sglang_integration.testing.routed_weights import RoutedModel
-
-        return RoutedModel(self.weights)
 
     def judged(self) -> dict[int, list[SlotContent]]:
         return self.judge.judge_routed(

@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 # Seconds a blocked rank sleeps per turn while it waits to be killed.
 _BLOCK_SLEEP = 3600.0
+# What a rank that computes tokens can decode at once: requests, and tokens per request.
+MAX_REQUESTS = 64
+MAX_CONTEXT = 96
 
 
 def engine_process_context() -> ForkServerContext:
@@ -208,9 +211,14 @@ def routed_map() -> list[list[int]]:
 class EngineSpec:
     """What every rank of one engine needs; ``sockets[r]`` is rank r's daemon.
 
-    With ``checkpoint`` (model-backed daemons: ``model_dir`` is that checkpoint), each rank maps
-    its daemon's real routed-expert tensors; without it, the synthetic stand-in's files in
-    ``expert_dir``.
+    With ``checkpoint`` (model-backed daemons: ``model_dir`` is that checkpoint), each rank holds
+    sglang's real model with its daemon's real routed-expert tensors mapped in
+    (``engine_model``) and, where the checkpoint's weights run on a CPU (BF16, float32: not FP8
+    blocks, whose matmuls need triton), computes tokens (``greedy``) and feeds EPLB from its own
+    routing (``engine_forward``); with ``from_disk`` too, the rank loads every weight from the
+    checkpoint itself (the weight cache off: ``sockets`` is empty and ``ranks`` gives the world
+    size). Without ``checkpoint``, the synthetic stand-in's files in ``expert_dir``, with
+    synthetic loads (nothing to route).
     """
 
     name: str
@@ -228,10 +236,23 @@ class EngineSpec:
     # Stop each rank right after the converging move (``converge.move_after_load``'s, before its
     # commits): it sends ``stopped`` instead of ``started`` and waits to be killed.
     stop_in_converge: bool = False
+    from_disk: bool = False  # with ``checkpoint``: every weight from the checkpoint, no daemon
+    ranks: int = 0  # the world size where there are no sockets (``from_disk``)
+    dtype: str | None = None  # sglang's --dtype (None: the checkpoint's)
+    init_expert_location: str | None = None  # sglang's --init-expert-location
 
     @property
     def world_size(self) -> int:
-        return len(self.sockets)
+        return len(self.sockets) or self.ranks
+
+    @property
+    def computes(self) -> bool:
+        """Whether the ranks compute tokens (the class docstring)."""
+        if self.checkpoint is None:
+            return False
+        from sglang_integration.testing.checkpoint import forward_runs_on_cpu
+
+        return forward_runs_on_cpu(self.checkpoint)
 
     def log_path(self, rank: int) -> str | None:
         if self.log_dir is None:
@@ -328,6 +349,9 @@ class _EngineRank:
         self.experts: Any = None
         self.model: Any = None
         self.updater: StoppableUpdater | None = None
+        self.decoder: Any = None  # greedy.GreedyDecoder when the ranks compute tokens
+        self.load_step = 0  # the skewed prompts' step of the next rebalance
+        self.rebalance_passes: list[int] = []  # forward passes each rebalance took
 
     def start(self) -> None:
         started = time.monotonic()
@@ -338,10 +362,22 @@ class _EngineRank:
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        from sglang_integration.testing.synthetic_load import SyntheticLoadRecorder
-
         spec, rank = self.spec, self.rank
         _counters_on_the_cpu()
+        holds_model = spec.checkpoint is not None
+        if holds_model:
+            _prepare_model_process()
+        weight_cache: dict[str, Any] = {}
+        if not spec.from_disk:
+            weight_cache = {
+                "weight_cache_mode": "client",
+                "weight_cache_socket": spec.sockets[rank],
+            }
+        model_args: dict[str, Any] = {}
+        if holds_model:
+            model_args = {"dtype": spec.dtype or "auto", "attention_backend": "torch_native"}
+            if spec.init_expert_location is not None:
+                model_args["init_expert_location"] = spec.init_expert_location
         args = _publish_and_join(
             rank,
             world_size=spec.world_size,
@@ -349,28 +385,39 @@ class _EngineRank:
             model_dir=spec.model_dir,
             num_redundant=spec.num_redundant,
             eplb_rebalance_layers_per_chunk=spec.layers_per_chunk,
-            weight_cache_mode="client",
-            weight_cache_socket=spec.sockets[rank],
+            **weight_cache,
+            **model_args,
         )
+        model_config = ModelConfig.from_server_args(args)
+        if holds_model:
+            from sglang_integration.testing.engine_forward import prepare_model_parallel
+
+            prepare_model_parallel(args, model_config)
         if spec.plugin:
             from sglang_integration import plugin
 
             plugin.register()  # what sglang's load_plugins() calls in an engine process
             HookRegistry.apply_hooks()
-        model_config = ModelConfig.from_server_args(args)
         runner = _RunnerAttributes(model_config)
-        # sglang's real method; with the plugin, the startup hook runs around it.
+        # sglang's real method; with the plugin, the startup hook runs around it. It installs
+        # sglang's expert distribution recorder too.
         ModelRunner.maybe_init_expert_location_metadata(runner)
-        if spec.plugin:
+        if spec.plugin and not spec.from_disk:
             from sglang_integration.engine.weight_source import WeightSource, record_weight_source
 
             # What the IPC loader hook records once the daemon served fetch_state; that fetch
             # maps CUDA IPC handles, so here the experts are mapped from shared memory instead.
             record_weight_source(WeightSource.DAEMON)
-        experts, model, (num_layers, num_logical) = _mapped_experts(spec, rank)
-        set_global_expert_distribution_recorder(
-            SyntheticLoadRecorder(num_layers, num_logical, seed=spec.load_seed)
-        )
+        if holds_model:
+            experts, model, (num_layers, num_logical) = _held_model(spec, rank, model_config)
+        else:
+            experts, model, (num_layers, num_logical) = _mapped_experts(spec, rank)
+        if not spec.computes:
+            from sglang_integration.testing.synthetic_load import SyntheticLoadRecorder
+
+            set_global_expert_distribution_recorder(
+                SyntheticLoadRecorder(num_layers, num_logical, seed=spec.load_seed)
+            )
         if spec.plugin:
             from sglang_integration.engine.load_check import around_load_model
 
@@ -386,6 +433,17 @@ class _EngineRank:
             get_expert_backup_client=lambda: None,
             get_weight_updater=NoDiskReload,
         )
+        if spec.computes:
+            from sglang_integration.testing.greedy import GreedyDecoder
+
+            self.decoder = GreedyDecoder(
+                model,
+                model_config,
+                spec.world_size,
+                self.manager,
+                max_requests=MAX_REQUESTS,
+                max_context=MAX_CONTEXT,
+            )
         self.startup_seconds = time.monotonic() - started
 
     # ------------------------------------------------------------ commands
@@ -431,7 +489,9 @@ class _EngineRank:
                 "chunks_committed": state.chunks_committed,
                 "stopped_reason": state.stopped_reason,
             }
-            layout = client.query(self.spec.sockets[self.rank]).layout
+            layout = (
+                None if self.spec.from_disk else client.query(self.spec.sockets[self.rank]).layout
+            )
             if layout is not None:
                 report["daemon"] = {
                     "version": layout.version,
@@ -454,24 +514,96 @@ class _EngineRank:
     def rebalance(self, count: int, in_forward: bool = False) -> dict[str, Any]:
         """``count`` rebalances; ``in_forward``: each inside a forward pass through the plugin's
         hook on ``ModelRunner.forward``, as sglang runs them (``on_forward_pass_end``), so a
-        standby takes its lease first."""
+        standby takes its lease first. A rank that computes tokens always rebalances inside its
+        real forward passes (``_one_rebalance``)."""
         for _ in range(count):
-            if in_forward:
+            if in_forward and self.decoder is None:
                 self.forward(lambda: run_rebalances(self.manager, 1))
             else:
-                run_rebalances(self.manager, 1)
+                self._one_rebalance()
             self.rebalances_run += 1
-        return self.report()
+        report = self.report()
+        report["rebalance_passes"] = self.rebalance_passes
+        return report
+
+    def _one_rebalance(self) -> None:
+        """One rebalance: with a model that computes, from ``on_forward_pass_end`` of real
+        forward passes whose routing sglang's recorder counted, the first over this step's
+        skewed prompts (``engine_forward.rebalance_in_passes``); else between sleeps standing
+        for passes, on synthetic loads (``run_rebalances``)."""
+        if self.decoder is None:
+            run_rebalances(self.manager, 1)
+            return
+        from sglang_integration.testing.engine_forward import rebalance_in_passes
+        from sglang_integration.testing.prompts import load_prompts
+
+        prompts = load_prompts(self.spec.load_seed, self.load_step, self.decoder.vocab_size)
+        self.load_step += 1
+        self.rebalance_passes.append(
+            rebalance_in_passes(self.manager, self.decoder.prefill, prompts)
+        )
+
+    def generate(
+        self, prompts: list[list[int]] | None, new_tokens: int, keep_logits: bool
+    ) -> dict[str, Any]:
+        """One greedy pass over ``prompts`` (default ``prompts.DEFAULT_PROMPTS``): the tokens,
+        the version and digest of the map it routed with, and with ``keep_logits`` the logits."""
+        from sglang_integration.testing.prompts import DEFAULT_PROMPTS
+
+        if self.decoder is None:
+            raise RuntimeError(f"engine {self.spec.name} holds no model that computes tokens")
+        chosen = [list(p) for p in DEFAULT_PROMPTS] if prompts is None else prompts
+        version, digest = self._routed_version()
+        decoded = self.decoder.generate(chosen, new_tokens, keep_logits)
+        after = self._routed_version()
+        if after != (version, digest):
+            raise RuntimeError(
+                f"the engine's layout changed during the pass: {version}/{digest[:12]} -> "
+                f"{after[0]}/{after[1][:12]}"
+            )
+        report = self.report()
+        report.update(
+            tokens=decoded.tokens,
+            logits=decoded.logits,
+            step_seconds=decoded.step_seconds,
+            routed_version=version,
+            routed_digest=digest,
+        )
+        return report
+
+    def _routed_version(self) -> tuple[int | None, str]:
+        """The digest of the map this rank routes with, and the version its daemon gives that
+        map (None: weights from disk, or the daemon holds another map)."""
+        from layout_ledger.core.layout import layout_digest
+        from sglang_integration.engine import client
+
+        digest = layout_digest(routed_map())
+        if self.spec.from_disk:
+            return None, digest
+        layout = client.query(self.spec.sockets[self.rank]).layout
+        if layout is None or layout.digest != digest:
+            return None, digest
+        return int(layout.version), digest
 
     def forward(self, inside: Callable[[], Any] | None = None) -> dict[str, Any]:
         """One forward pass through the plugin's hook on ``ModelRunner.forward`` (a standby
-        takes its lease there); the pass itself meets the other ranks in a barrier, as the
+        takes its lease there): with a model that computes, sglang's ``ModelRunner.forward``
+        over the default prompts; else a pass that meets the other ranks in a barrier, as the
         model's collectives would, and runs ``inside`` (a rebalance) at its end."""
         import types
 
         from sglang.srt.runtime_context import get_parallel
 
         from sglang_integration.engine import standby
+
+        if self.decoder is not None and inside is None:
+            from sglang_integration.testing.prompts import DEFAULT_PROMPTS
+
+            started = time.monotonic()
+            self.decoder.prefill(DEFAULT_PROMPTS)
+            report = self.report()
+            report["forward_seconds"] = time.monotonic() - started
+            return report
 
         def original(runner: Any) -> None:
             get_parallel().world_group.barrier()
@@ -507,7 +639,7 @@ class _EngineRank:
             return begin(connection, *args, **kwargs)
 
         client.LayoutConnection.begin = stop_at_second_begin  # type: ignore[method-assign,assignment]
-        run_rebalances(self.manager, 1)
+        self._one_rebalance()
         raise RuntimeError("the rebalance ended before its second chunk began")
 
     def stop_in_move(self, count: int, channel: Connection) -> None:
@@ -523,7 +655,7 @@ class _EngineRank:
         if self.updater is None:
             raise RuntimeError("the engine has no updater")
         self.updater.stop_after_first_layer = stopped
-        run_rebalances(self.manager, 1)
+        self._one_rebalance()
         raise RuntimeError("the rebalance ended without reaching the move")
 
     def stop_at_commit(self, count: int, skip_rank: int, channel: Connection) -> None:
@@ -544,7 +676,7 @@ class _EngineRank:
             block_until_killed()
 
         client.LayoutConnection.commit = stop_at_first_commit  # type: ignore[method-assign,assignment]
-        run_rebalances(self.manager, 1)
+        self._one_rebalance()
         raise RuntimeError("the rebalance ended without reaching its first commit")
 
     def wait_alone(self, timeout: float) -> dict[str, Any]:
@@ -576,20 +708,45 @@ class _EngineRank:
             close_session()
 
 
-def _mapped_experts(spec: EngineSpec, rank: int) -> tuple[Any, Any, tuple[int, int]]:
-    """This rank's experts (what its report judges), its model (what sglang's EPLB reads) and
-    the (layers, logical experts) of the loads: with ``spec.checkpoint``, its daemon's real
-    routed-expert tensors mapped from the daemon's shared file and judged against the checkpoint
-    (``checkpoint_experts.ModelExperts``); else the synthetic stand-in's files in
-    ``spec.expert_dir`` (``shared_experts``)."""
-    if spec.checkpoint is not None:
-        from sglang_integration.testing.checkpoint import read_config
-        from sglang_integration.testing.checkpoint_experts import ModelExperts, num_routed_experts
+def _prepare_model_process() -> None:
+    """A rank that holds sglang's model: the GPU stand-ins of a forward pass
+    (``gpu_stand_ins.install_in_engine``), sglang's compiled helpers run eagerly, one torch thread
+    per rank (the engine's ranks share the machine's cores, as a daemon's do)."""
+    import torch
 
-        experts = ModelExperts(spec.sockets[rank], spec.checkpoint)
-        config = read_config(spec.checkpoint)
-        loads = (int(config["num_hidden_layers"]), num_routed_experts(config))
-        return experts, experts.model(), loads
+    from sglang_integration.testing.engine_model import run_eagerly
+    from sglang_integration.testing.gpu_stand_ins import install_in_engine
+
+    install_in_engine()
+    run_eagerly()
+    torch.set_num_threads(1)
+
+
+def _held_model(spec: EngineSpec, rank: int, model_config: Any) -> tuple[Any, Any, tuple[int, int]]:
+    """sglang's model built in this rank (``engine_model``: experts mapped from the daemon, or
+    from disk), the checkpoint judge over its routed experts, and the (layers, logical
+    experts) of the loads."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_integration.testing.checkpoint import read_config
+    from sglang_integration.testing.checkpoint_experts import ModelExperts, num_routed_experts
+    from sglang_integration.testing.engine_model import OwnRoutedWeights, build_engine_model
+
+    if spec.checkpoint is None:
+        raise ValueError("an engine rank holds a model only with a checkpoint")
+    built = build_engine_model(model_config, None if spec.from_disk else spec.sockets[rank])
+    weights = built.mapped
+    if weights is None:
+        weights = OwnRoutedWeights(built.model, int(get_parallel().moe_ep_rank))
+    experts = ModelExperts(weights, spec.checkpoint)
+    config = read_config(spec.checkpoint)
+    return experts, built.model, (int(config["num_hidden_layers"]), num_routed_experts(config))
+
+
+def _mapped_experts(spec: EngineSpec, rank: int) -> tuple[Any, Any, tuple[int, int]]:
+    """The synthetic stand-in's experts of this rank (what its report judges), its model (what
+    sglang's EPLB reads) and the (layers, logical experts) of the loads: the files in
+    ``spec.expert_dir`` (``shared_experts``)."""
     from sglang_integration.testing.shared_experts import (
         SharedExpertsModel,
         attach_shared_experts,
@@ -723,6 +880,12 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
                 )
             elif verb == "forward":
                 reply = engine.forward()
+            elif verb == "generate":
+                reply = engine.generate(
+                    fields.get("prompts"),
+                    int(fields["new_tokens"]),
+                    bool(fields.get("keep_logits", False)),
+                )
             elif verb == "wait_alone":
                 reply = engine.wait_alone(float(fields["timeout"]))
             elif verb == "stop_between_chunks":
@@ -809,6 +972,18 @@ class CpuEngine:
     def forward(self, timeout: float = 180.0) -> list[dict[str, Any]]:
         """One forward pass on every rank (a standby takes its lease first)."""
         return self.ask("forward", timeout)
+
+    def generate(
+        self,
+        prompts: list[list[int]] | None = None,
+        new_tokens: int = 32,
+        keep_logits: bool = False,
+        timeout: float = 300.0,
+    ) -> list[dict[str, Any]]:
+        """One greedy pass on every rank (``_EngineRank.generate``); each rank's reply."""
+        return self.ask(
+            "generate", timeout, prompts=prompts, new_tokens=new_tokens, keep_logits=keep_logits
+        )
 
     def rebalance(
         self, count: int, timeout: float = 180.0, in_forward: bool = False

@@ -264,6 +264,7 @@ def spec_with_flags(
         init_expert_location=flags.init_expert_location,
         log_level=flags.log_level,
         post_load_rescale=flags.post_load_rescale,
+        dtype=flags.dtype,
         env=tuple(sorted(daemon_environment(flags).items())),
     )
 

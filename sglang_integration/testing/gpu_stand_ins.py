@@ -18,7 +18,8 @@ names the line each stands in for):
    with pynccl, custom all-reduce, mscclpp and symmetric-memory all-reduce off
    (``groups_without_pynccl``), so collectives run on gloo, as the daemon's CPU groups do.
 3. **Rope in torch.** The rotary embedding imports vllm's kernel unless sglang's module-level
-   ``_is_cpu`` is true; it is set (``rope_in_torch``). No forward pass runs, so no kernel runs.
+   ``_is_cpu`` is true; it is set (``rope_in_torch``): rope then runs in torch in the engines'
+   forward passes (the daemons compute no token).
 4. **The daemon's device check.** ``WeightCacheDaemon.load`` refuses a platform that is not
    CUDA-alike (its first statement: CUDA IPC export needs one). The daemon module's platform
    (only that module's) is stand-in 1's, answering "CUDA-alike" (``daemon_platform``).
@@ -39,7 +40,29 @@ than for a missing GPU:
    checkpoint's bytes are then no longer what a slot holds, as on those backends, so a raw
    reload from the checkpoint would not give back what the load left.
 
-``install(daemon_module)`` installs the first five in this process. Everything else of the daemon
+An engine rank that holds the model and computes tokens (``engine_model``, ``greedy``) runs
+sglang's own forward pass: the model's ``forward``, ``TopK``'s torch path, the standard
+dispatcher, the torch-native MoE runner and ``TorchNativeAttnBackend`` over sglang's KV pools.
+It needs stand-ins 1-3 and two more, each for a branch sglang takes only without a GPU:
+
+7. **Experts on other ranks, in the torch-native MoE runner.** With EP, sglang's standard
+   dispatcher marks the top-k entries whose expert lies on another rank with id ``-1``
+   (``_map_topk_ids_to_local_experts``), which the GPU runners (triton, deep_gemm) drop. On a
+   CPU without AMX, ``UnquantizedFusedMoEMethod.forward_cpu`` calls
+   ``fused_moe_native.moe_forward_native``, which indexes with ``-1`` ("index -1 is out of
+   bounds"; clamping alone is not enough: its ``scatter_`` then undercounts a token whose two
+   entries became the same id). ``moe_without_other_ranks`` gives those entries weight 0 and
+   id 0 and calls sglang's own ``fused_moe_native.fused_moe_forward_native``: each rank then
+   adds exactly its own experts' share, as a GPU runner does, and the TP all-reduce sums them.
+8. **DeepSeek-V3's attention on the torch-native backend** (DeepSeek-V3 only). sglang
+   registers no ``torch_native`` handler in ``deepseek_common/attention_backend_handler.py``,
+   so it falls back to the triton handler, which picks MHA for a prefill; the torch-native
+   backend then reads K and V of the MHA shape from the latent (MLA) cache and fails.
+   ``mla_on_torch_native`` registers a ``torch_native`` handler that takes sglang's MLA path
+   (``_dispatch_mla_subtype``), which the torch-native backend serves, for every batch.
+
+``install(daemon_module)`` installs the first five in this process, ``install_in_engine()``
+stand-ins 1-3, 7 and 8. Everything else of the daemon
 (``__init__``, ``_init_distributed``'s process groups,
 ``_initialize_eplb_expert_location_metadata``, the rest of ``load`` with the model build and the
 loader, ``_await_cluster_ready_to_serve``, ``serve``, ``_handle_connection``) is sglang's own,
@@ -60,7 +83,7 @@ logger = logging.getLogger(__name__)
 
 _DAEMON_FILE = "srt/weight_cache/daemon.py"
 _LOADER_FILE = "srt/model_loader/loader.py"
-UPSTREAM_LINES = (
+UPSTREAM_LINES: tuple[UpstreamLine, ...] = (
     UpstreamLine(
         "srt/platforms/__init__.py",
         186,
@@ -123,6 +146,56 @@ UPSTREAM_LINES = (
         "process_weights_after_loading)",
     ),
 )
+
+
+_MOE_NATIVE_FILE = "srt/layers/moe/fused_moe_native.py"
+_DEEPSEEK_HANDLER_FILE = "srt/models/deepseek_common/attention_backend_handler.py"
+FORWARD_UPSTREAM_LINES = (
+    UpstreamLine(
+        "srt/layers/moe/token_dispatcher/standard.py",
+        99,
+        "topk_ids < 0,",
+        "7: the dispatcher keeps -1 for the top-k entries whose expert is on another rank",
+    ),
+    UpstreamLine(
+        "srt/layers/quantization/unquant.py",
+        1383,
+        "from sglang.srt.layers.moe.fused_moe_native import moe_forward_native",
+        "7: the CPU path without AMX calls the module's moe_forward_native (looked up per call)",
+    ),
+    UpstreamLine(
+        _MOE_NATIVE_FILE,
+        77,
+        "cnts.scatter_(1, topk_ids.to(torch.int64), 1)",
+        "7: the line that fails on -1",
+    ),
+    UpstreamLine(
+        _MOE_NATIVE_FILE,
+        21,
+        "def fused_moe_forward_native(",
+        "7: the torch-native runner the stand-in calls with the -1 entries weighed 0",
+    ),
+    UpstreamLine(
+        _DEEPSEEK_HANDLER_FILE,
+        55,
+        'return cls._handlers.get(backend_name, cls._handlers.get("triton"))',
+        "8: a backend without a handler falls back to triton's",
+    ),
+    UpstreamLine(
+        _DEEPSEEK_HANDLER_FILE,
+        251,
+        "return AttnForwardMethod.MHA",
+        "8: triton's handler takes MHA for a prefill, which the torch-native backend cannot "
+        "serve from the latent cache",
+    ),
+    UpstreamLine(
+        _DEEPSEEK_HANDLER_FILE,
+        58,
+        "def _dispatch_mla_subtype(attn, forward_batch):",
+        "8: sglang's MLA choice, the handler the stand-in registers",
+    ),
+)
+UPSTREAM_LINES = UPSTREAM_LINES + FORWARD_UPSTREAM_LINES
 
 
 # Stand-in 6: the factor of each routed-expert tensor, by the prefix of its FusedMoE parameter
@@ -275,3 +348,50 @@ def rescale_after_post_load() -> None:
 
     postprocess_then_rescale._rescales_experts = True  # type: ignore[attr-defined]
     DefaultModelLoader.postprocess_weights = staticmethod(postprocess_then_rescale)
+
+
+def moe_without_other_ranks() -> None:
+    """Stand-in 7: the torch-native MoE runner, entries of experts on other ranks dropped (the
+    module docstring). Idempotent."""
+    from sglang.srt.layers.moe import fused_moe_native
+    from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
+
+    if getattr(fused_moe_native.moe_forward_native, "_drops_other_ranks", False):
+        return
+
+    def moe_forward(layer: Any, x: Any, topk_output: Any, moe_runner_config: Any) -> Any:
+        if moe_runner_config.apply_router_weight_on_input:
+            raise StandInError("the torch-native MoE runner does not weigh the input")
+        weights, ids, logits = topk_output
+        elsewhere = ids < 0
+        local = type(topk_output)(
+            weights.masked_fill(elsewhere, 0), ids.masked_fill(elsewhere, 0), logits
+        )
+        output = StandardDispatchOutput(
+            hidden_states=x, hidden_states_scale=None, topk_output=local
+        )
+        return fused_moe_native.fused_moe_forward_native(layer, output).hidden_states
+
+    moe_forward._drops_other_ranks = True  # type: ignore[attr-defined]
+    fused_moe_native.moe_forward_native = moe_forward
+
+
+def mla_on_torch_native() -> None:
+    """Stand-in 8: a ``torch_native`` attention handler for DeepSeek-V3 that takes sglang's MLA
+    path for every batch (the module docstring)."""
+    from sglang.srt.models.deepseek_common import attention_backend_handler as handlers
+
+    def handle_attention_torch_native(attn: Any, forward_batch: Any) -> Any:
+        return handlers._dispatch_mla_subtype(attn, forward_batch)
+
+    handlers.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
+
+
+def install_in_engine() -> None:
+    """Install stand-ins 1-3, 7 and 8 in this engine rank's process (before the model is
+    built)."""
+    use_cpu_platform()
+    groups_without_pynccl()
+    rope_in_torch()
+    moe_without_other_ranks()
+    mla_on_torch_native()

@@ -17,7 +17,8 @@ routed-expert weights, ``routed_weights``), ``rank{R}.log``.
 
 The daemon flags (``add_daemon_flags``) are the model-less daemon's (``testing.daemon``):
 ``--expert-layout-content-check``, ``--keep-versions``, ``--prune-every``,
-``--request-timeout``, ``--no-record``, ``--without-plugin``, ``--log-level``, and every other
+``--request-timeout``, ``--no-record``, ``--without-plugin``, ``--log-level``, ``--dtype``
+(sglang's: the model's dtype, default the checkpoint's), and every other
 ``--expert-layout-*`` flag of the daemon launcher (``settings``); they reach the daemon as the
 launcher hands them to spawned daemons, in the environment. One more is the toolkit's own:
 ``--post-load-rescale`` installs ``gpu_stand_ins``' optional stand-in 6 (a backend whose
@@ -44,6 +45,9 @@ READY_TEMPLATE_ENV = "SGLANG_WEIGHT_CACHE_READY_TEMPLATE"
 # Seconds the daemon group's readiness barrier waits for every rank (sglang's
 # --weight-cache-timeout): every rank of a group starts at once here.
 READY_TIMEOUT = 300
+
+# The dtypes a model-backed daemon (and an engine on it) computes in: sglang's --dtype.
+MODEL_DTYPES = ("bfloat16", "float32")
 
 # The model-less daemon's names for three launcher settings (testing.daemon's flags).
 _ALIASES: dict[str, settings.Setting[Any]] = {
@@ -88,6 +92,13 @@ def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
         "loaded routed experts (UE8M0 requantisation, flashinfer trtllm layouts): after sglang's "
         "post-load step, w13 x2 and w2 x1/2 in place",
     )
+    group.add_argument(
+        "--dtype",
+        choices=MODEL_DTYPES,
+        default=None,
+        help="sglang's --dtype for the model (default: the checkpoint's); float32 loads a BF16 "
+        "checkpoint losslessly, for exact comparisons of engines' outputs",
+    )
     group.add_argument("--log-level", default="INFO")
 
 
@@ -116,6 +127,7 @@ class ModelDaemonSpec:
     init_expert_location: str | None = None
     log_level: str = "INFO"
     post_load_rescale: bool = False  # gpu_stand_ins' stand-in 6
+    dtype: str | None = None  # sglang's --dtype (None: the checkpoint's)
     env: tuple[tuple[str, str], ...] = field(default=())
 
     def path(self, rank: int, suffix: str) -> str:
@@ -152,6 +164,7 @@ class ModelDaemonSpec:
             tp_size=self.ep_size,
             ep_size=self.ep_size,
             skip_tokenizer_init=True,
+            dtype=self.dtype or "auto",
             weight_cache_timeout=READY_TIMEOUT,
             **extra,
         )
