@@ -173,6 +173,11 @@ def _publish_and_join(
     return args
 
 
+class ModelLoadError(RuntimeError):
+    """The rank's model load raised (``ModelRunner.load_model`` would have): the engine does not
+    start; the cause is what it raised (a refused ``fetch_state``, a config mismatch...)."""
+
+
 class NoDiskReload:
     """The engine's weight updater; only called for experts lost to elastic EP (not here)."""
 
@@ -402,28 +407,29 @@ class _EngineRank:
         # sglang's real method; with the plugin, the startup hook runs around it. It installs
         # sglang's expert distribution recorder too.
         ModelRunner.maybe_init_expert_location_metadata(runner)
-        if spec.plugin and not spec.from_disk:
-            from sglang_integration.engine.weight_source import WeightSource, record_weight_source
-
-            # What the IPC loader hook records once the daemon served fetch_state; that fetch
-            # maps CUDA IPC handles, so here the experts are mapped from shared memory instead.
-            record_weight_source(WeightSource.DAEMON)
         if holds_model:
-            experts, model, (num_layers, num_logical) = _held_model(spec, rank, model_config)
+            experts, model, (num_layers, num_logical) = _held_model(spec, args, runner)
         else:
             experts, model, (num_layers, num_logical) = _mapped_experts(spec, rank)
+            if spec.plugin:
+                from sglang_integration.engine.load_check import around_load_model
+                from sglang_integration.engine.weight_source import (
+                    WeightSource,
+                    record_weight_source,
+                )
+
+                # What the IPC loader hook records once the daemon served fetch_state; that
+                # fetch maps CUDA IPC handles, so here the synthetic experts are mapped from
+                # shared memory instead, and the plugin's hook on ModelRunner.load_model runs
+                # around that mapping.
+                record_weight_source(WeightSource.DAEMON)
+                around_load_model(lambda loaded: setattr(loaded, "model", model), runner)
         if not spec.computes:
             from sglang_integration.testing.synthetic_load import SyntheticLoadRecorder
 
             set_global_expert_distribution_recorder(
                 SyntheticLoadRecorder(num_layers, num_logical, seed=spec.load_seed)
             )
-        if spec.plugin:
-            from sglang_integration.engine.load_check import around_load_model
-
-            # The plugin's hook on ModelRunner.load_model, around the stand-in for the load: the
-            # experts mapped from shared memory (the IPC loader's zero-copy mapping on a GPU).
-            around_load_model(lambda loaded: setattr(loaded, "model", model), runner)
         updater = StoppableUpdater(ExpertLocationUpdater())
         self.experts, self.model, self.updater = experts, model, updater
         self.manager = EPLBManager(
@@ -722,19 +728,42 @@ def _prepare_model_process() -> None:
     torch.set_num_threads(1)
 
 
-def _held_model(spec: EngineSpec, rank: int, model_config: Any) -> tuple[Any, Any, tuple[int, int]]:
-    """sglang's model built in this rank (``engine_model``: experts mapped from the daemon, or
-    from disk), the checkpoint judge over its routed experts, and the (layers, logical
-    experts) of the loads."""
+def _held_model(
+    spec: EngineSpec, server_args: Any, runner: _RunnerAttributes
+) -> tuple[Any, Any, tuple[int, int]]:
+    """sglang's model loaded in this rank as ``ModelRunner.load_model`` loads it
+    (``engine_model.load_engine_model``: the IPC loader in client mode, the disk otherwise),
+    with the plugin's hook on ``ModelRunner.load_model`` around it; the checkpoint judge over its
+    routed experts, and the (layers, logical experts) of the loads."""
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_integration.testing.checkpoint import read_config
     from sglang_integration.testing.checkpoint_experts import ModelExperts, num_routed_experts
-    from sglang_integration.testing.engine_model import OwnRoutedWeights, build_engine_model
+    from sglang_integration.testing.engine_model import (
+        EngineModel,
+        OwnRoutedWeights,
+        load_engine_model,
+    )
 
     if spec.checkpoint is None:
         raise ValueError("an engine rank holds a model only with a checkpoint")
-    built = build_engine_model(model_config, None if spec.from_disk else spec.sockets[rank])
+    loaded: list[EngineModel] = []
+
+    def load_model(target: _RunnerAttributes) -> None:
+        try:
+            built = load_engine_model(server_args, target.model_config)
+        except Exception as exc:
+            raise ModelLoadError(str(exc)) from exc
+        target.model = built.model
+        loaded.append(built)
+
+    if spec.plugin:
+        from sglang_integration.engine.load_check import around_load_model
+
+        around_load_model(load_model, runner)
+    else:
+        load_model(runner)
+    built = loaded[0]
     weights = built.mapped
     if weights is None:
         weights = OwnRoutedWeights(built.model, int(get_parallel().moe_ep_rank))
@@ -850,13 +879,14 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
         from layout_ledger.core.startup_verdict import ExpertLayoutStartupError
 
         logger.exception("engine %s rank %d did not start", spec.name, rank)
-        if isinstance(exc, ExpertLayoutStartupError):
+        if isinstance(exc, ExpertLayoutStartupError | ModelLoadError):
+            cause = exc.__cause__ if isinstance(exc, ModelLoadError) else exc
             channel.send(
                 {
                     "event": "startup_failed",
                     "rank": rank,
-                    "error_type": type(exc).__name__,
-                    "error": str(exc),
+                    "error_type": type(cause).__name__,
+                    "error": str(cause),
                     "logs": capture.take(),
                 }
             )

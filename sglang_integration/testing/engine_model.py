@@ -1,26 +1,28 @@
-"""sglang's real model in an engine rank on a CPU: its weights from disk or from its daemon.
+"""sglang's real model in an engine rank on a CPU: loaded the way ``ModelRunner.load_model`` does.
 
-An engine rank that computes tokens (``cpu_engine`` with ``EngineSpec.checkpoint``, the
-``generate`` command) builds the model class the checkpoint's ``config.json`` names with
-sglang's own ``_initialize_model`` (under the model's dtype, on the CPU) and fills it with
-sglang's own ``DefaultModelLoader`` from the checkpoint, as a daemon does. What differs is where
-the routed experts come from:
+``load_engine_model`` is the body of ``ModelRunner.load_model`` for a CPU engine rank: sglang's
+own ``build_load_config`` and ``maybe_enable_ipc_weight_cache`` from the published server args,
+then ``get_model_loader(...).load_model(...)``:
 
-- **from disk** (``daemon_socket`` None: the weight cache off, a reference engine): every
-  weight from the checkpoint, the experts placed by sglang's ``FusedMoE`` loader into the slots
-  of the global ``ExpertLocationMetadata`` the engine's startup installed (sglang's initial
-  layout, or ``--init-expert-location``);
-- **from the daemon** (weights from the daemons): every weight but the routed experts from the
-  checkpoint (the loader's iterator without ``model.layers.L.mlp.experts.E.*``), then each
-  routed-expert parameter's ``data`` becomes the daemon's own tensor, mapped from the daemon's
-  shared file (``routed_weights``): what CUDA IPC maps on a GPU. A move by any engine on that
-  daemon, a heal or a reload by the daemon, lands in the bytes this model computes with.
+- with the weight cache off (a reference engine, ``--from-disk``), sglang's
+  ``DefaultModelLoader``: every weight from the checkpoint, the routed experts placed by
+  ``FusedMoE``'s loader into the slots of the global ``ExpertLocationMetadata`` the engine's
+  startup installed (sglang's initial layout, or ``--init-expert-location``);
+- in client mode, sglang's ``IpcModelLoader``, the plugin's hooks around it: it checks the quant
+  method, sends ``fetch_state`` to its daemon (the plugin adds the ``expert_layout`` field and
+  raises on ``layout_refused``; a config mismatch raises), falls back to the disk when no daemon
+  socket exists, and maps what the daemon serves with ``_load_zero_copy_mode``, then starts its
+  daemon-liveness watchdog. That mapping of CUDA IPC handles is the one step that needs a GPU:
+  ``gpu_stand_ins`` stand-in 9 replaces it with ``load_from_daemon_files``, which builds the model
+  on the CPU, loads every weight but the routed experts from the checkpoint with sglang's
+  ``DefaultModelLoader`` (the same bytes a daemon loads), and makes each routed-expert
+  parameter's ``data`` the daemon's own tensor, mapped from the daemon's shared file
+  (``routed_weights``). A move by any engine on that daemon, a heal or a reload by the daemon,
+  lands in the bytes this model computes with.
 
-On a GPU the IPC loader maps every parameter from the daemon; here the non-expert parameters
-are the engine's own copies from the same checkpoint (the same bytes: both load them with
-sglang's loader). sglang's torch.compile'd helpers (``TopK``'s grouped top-k, rope) run eagerly
-(``run_eagerly``): each engine rank is a fresh process, inductor compiles them again in each
-(1.5 to 18 s on this CPU), and eager is what they compile from.
+sglang's torch.compile'd helpers (``TopK``'s grouped top-k, rope) run eagerly (``run_eagerly``):
+each engine rank is a fresh process, inductor compiles them again in each (1.5 to 18 s on this
+CPU), and eager is what they compile from.
 """
 
 from __future__ import annotations
@@ -37,14 +39,19 @@ from sglang_integration.upstream_lines import UpstreamLine
 logger = logging.getLogger(__name__)
 
 _LOADER_FILE = "srt/model_loader/loader.py"
-# What of sglang's loader the engine's build calls (tests/test_upstream_lines.py checks them).
+_LOAD_UTILS = "srt/model_executor/model_runner_components/load_model_utils.py"
+# What of sglang's loading the engine's load calls (tests/test_upstream_lines.py checks them).
 UPSTREAM_LINES = (
+    UpstreamLine(_LOAD_UTILS, 200, "def build_load_config(", "ModelRunner.load_model's config"),
+    UpstreamLine(
+        _LOAD_UTILS, 244, "def maybe_enable_ipc_weight_cache(", "client mode: the IPC loader"
+    ),
     UpstreamLine(_LOADER_FILE, 285, "def _initialize_model(", "the model class, built"),
     UpstreamLine(
         _LOADER_FILE,
         759,
         "def _get_all_weights(",
-        "the checkpoint's weights, which the build filters for an engine on a daemon",
+        "the checkpoint's weights, which stand-in 9 filters for an engine on a daemon",
     ),
     UpstreamLine(
         _LOADER_FILE,
@@ -72,44 +79,72 @@ def run_eagerly() -> None:
 
 @dataclass
 class EngineModel:
-    """The built model and where its routed experts live (``mapped``: the daemon's file)."""
+    """The loaded model and the daemon's routed weights it maps (None: weights from disk)."""
 
     model: Any
-    mapped: Any  # routed_weights.RoutedWeights, or None for weights from disk
-
-    @property
-    def from_daemon(self) -> bool:
-        return self.mapped is not None
+    mapped: Any  # routed_weights.RoutedWeights
 
 
-def build_engine_model(model_config: Any, daemon_socket: str | None) -> EngineModel:
-    """Build and fill the model (module docstring); ``daemon_socket`` None: from disk."""
+def load_engine_model(server_args: Any, model_config: Any) -> EngineModel:
+    """``ModelRunner.load_model``'s loading, for this rank (module docstring)."""
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.model_executor.model_runner_components.load_model_utils import (
+        build_load_config,
+        maybe_enable_ipc_weight_cache,
+    )
+    from sglang.srt.model_loader.loader import get_model_loader
+    from sglang.srt.runtime_context import get_model, get_parallel
+
+    load_config = build_load_config(
+        server_args=server_args,
+        tp_rank=get_parallel().tp_rank,
+        remote_instance_weight_transporter_engine=None,
+        remote_instance_weight_transporter_session_id="",
+        draft_model_idx=None,
+        weight_cache_mode=get_model().weight_cache_mode,
+        weight_cache_socket=get_model().weight_cache_socket,
+    )
+    maybe_enable_ipc_weight_cache(load_config=load_config)
+    loader = get_model_loader(load_config=load_config, model_config=model_config)
+    model = loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu", 0))
+    return EngineModel(model, getattr(loader, "daemon_routed_weights", None))
+
+
+def load_from_daemon_files(
+    ipc_loader: Any, model_config: Any, device_config: Any, entries: Any, quant_config: Any
+) -> Any:
+    """Stand-in 9, ``IpcModelLoader._load_zero_copy_mode`` on a CPU (module docstring): the model
+    built and filled from the checkpoint but for its routed experts, which are the daemon's
+    tensors of its shared file beside ``ipc_loader.socket_path``. The daemon's ``fetch_state``
+    served no entries (stand-in 5); any would be a daemon this toolkit did not start."""
     import torch
     from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.model_loader.loader import (
-        DefaultModelLoader,
-        _get_quantization_config,
-        _initialize_model,
-    )
+    from sglang.srt.model_loader.loader import DefaultModelLoader, _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     from sglang_integration.testing.routed_weights import attach_routed_weights
 
-    mapped = None if daemon_socket is None else attach_routed_weights(daemon_socket)
-    load_config = LoadConfig()
-    loader = DefaultModelLoader(load_config)
-    quant_config = _get_quantization_config(model_config, load_config)
+    if entries:
+        raise SharedWeightsError(
+            f"the daemon at {ipc_loader.socket_path} served {len(entries)} CUDA IPC entries; "
+            "on a CPU only a model-backed daemon of this toolkit (python -m "
+            "sglang_integration.testing.daemons) can serve an engine"
+        )
+    mapped = attach_routed_weights(ipc_loader.socket_path)
+    disk = DefaultModelLoader(LoadConfig(tp_rank=ipc_loader.load_config.tp_rank))
     device = torch.device("cpu")
     with set_default_torch_dtype(model_config.dtype):
         with device:
-            model = _initialize_model(model_config, load_config, quant_config)
-        weights: Iterator[tuple[str, Any]] = loader._get_all_weights(model_config, model)
-        if mapped is not None:
-            weights = ((name, w) for name, w in weights if not is_routed_expert_weight(name))
+            model = _initialize_model(model_config, disk.load_config, quant_config)
+        weights: Iterator[tuple[str, Any]] = (
+            (name, tensor)
+            for name, tensor in disk._get_all_weights(model_config, model)
+            if not is_routed_expert_weight(name)
+        )
         DefaultModelLoader.load_weights_and_postprocess(model, weights, device)
-    if mapped is not None:
-        map_routed_parameters(model, mapped)
-    return EngineModel(model.eval(), mapped)
+    map_routed_parameters(model, mapped)
+    ipc_loader.daemon_routed_weights = mapped
+    return model
 
 
 def map_routed_parameters(model: Any, mapped: Any) -> int:
@@ -159,7 +194,7 @@ class OwnRoutedWeights:
     """A model's own routed-expert tensors (weights from disk), in the shape a daemon's mapped
     ``RoutedWeights`` has, for the checkpoint judge (``checkpoint_experts.ModelExperts``)."""
 
-    def __init__(self, model: Any, first_slot: int) -> None:
+    def __init__(self, model: Any, moe_ep_rank: int) -> None:
         from sglang_integration.content.model_slots import routed_mapping
         from sglang_integration.testing.routed_weights import routed_parameters
 
@@ -175,4 +210,4 @@ class OwnRoutedWeights:
         if len(slots) != 1:
             raise SharedWeightsError(f"the routed-expert tensors disagree on their slots: {slots}")
         self.num_local_slots = slots.pop()
-        self.first_slot = first_slot
+        self.first_slot = moe_ep_rank * self.num_local_slots

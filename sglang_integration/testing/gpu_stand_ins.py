@@ -61,8 +61,17 @@ It needs stand-ins 1-3 and two more, each for a branch sglang takes only without
    ``mla_on_torch_native`` registers a ``torch_native`` handler that takes sglang's MLA path
    (``_dispatch_mla_subtype``), which the torch-native backend serves, for every batch.
 
+9. **The engine's zero-copy mapping.** In client mode sglang's ``IpcModelLoader`` runs as it
+   is (its quant check, ``fetch_state`` with the plugin's hooks, its config check, its disk
+   fallback when no daemon socket exists, its daemon watchdog) up to
+   ``_load_zero_copy_mode``, which maps the CUDA IPC handles the daemon served. The daemon here
+   serves none (stand-in 5); in its place ``engine_model.load_from_daemon_files`` builds the
+   model on the CPU, loads every weight but the routed experts from the checkpoint with
+   sglang's loader, and maps the routed-expert parameters onto the daemon's shared file
+   (``zero_copy_from_daemon_files``).
+
 ``install(daemon_module)`` installs the first five in this process, ``install_in_engine()``
-stand-ins 1-3, 7 and 8. Everything else of the daemon
+stand-ins 1-3, 7, 8 and 9. Everything else of the daemon
 (``__init__``, ``_init_distributed``'s process groups,
 ``_initialize_eplb_expert_location_metadata``, the rest of ``load`` with the model build and the
 loader, ``_await_cluster_ready_to_serve``, ``serve``, ``_handle_connection``) is sglang's own,
@@ -195,7 +204,22 @@ FORWARD_UPSTREAM_LINES = (
         "8: sglang's MLA choice, the handler the stand-in registers",
     ),
 )
-UPSTREAM_LINES = UPSTREAM_LINES + FORWARD_UPSTREAM_LINES
+_IPC_LOADER_FILE = "srt/weight_cache/ipc_loader.py"
+ENGINE_LOAD_UPSTREAM_LINES = (
+    UpstreamLine(
+        _IPC_LOADER_FILE,
+        152,
+        "model = self._load_zero_copy_mode(",
+        "9: the IPC loader maps what fetch_state served",
+    ),
+    UpstreamLine(
+        _IPC_LOADER_FILE,
+        306,
+        "def _load_zero_copy_mode(",
+        "9: the CUDA IPC mapping the stand-in replaces",
+    ),
+)
+UPSTREAM_LINES = UPSTREAM_LINES + FORWARD_UPSTREAM_LINES + ENGINE_LOAD_UPSTREAM_LINES
 
 
 # Stand-in 6: the factor of each routed-expert tensor, by the prefix of its FusedMoE parameter
@@ -387,11 +411,22 @@ def mla_on_torch_native() -> None:
     handlers.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
 
 
+def zero_copy_from_daemon_files() -> None:
+    """Stand-in 9: ``IpcModelLoader._load_zero_copy_mode`` maps the daemon's shared routed
+    experts, the rest from the checkpoint (``engine_model.load_from_daemon_files``)."""
+    from sglang.srt.weight_cache.ipc_loader import IpcModelLoader
+
+    from sglang_integration.testing.engine_model import load_from_daemon_files
+
+    IpcModelLoader._load_zero_copy_mode = load_from_daemon_files
+
+
 def install_in_engine() -> None:
-    """Install stand-ins 1-3, 7 and 8 in this engine rank's process (before the model is
+    """Install stand-ins 1-3, 7, 8 and 9 in this engine rank's process (before the model is
     built)."""
     use_cpu_platform()
     groups_without_pynccl()
     rope_in_torch()
     moe_without_other_ranks()
     mla_on_torch_native()
+    zero_copy_from_daemon_files()
