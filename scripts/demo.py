@@ -1,14 +1,17 @@
 """The CPU end-to-end demo (README quick start: ``scripts/demo.sh``).
 
 Reproduces the proposal's three GPU cases (and cases 4 to 7) with real processes on a CPU, on a
-tiny Qwen3-MoE (BF16) and a tiny DeepSeek-V3 (FP8 blocks) in turn, and prints them in tables: per
-EP rank a model-backed weight cache daemon (sglang's own ``WeightCacheDaemon`` building the model
-class and loading a checkpoint written for the run with sglang's loader, with this plugin's hooks
-and a SQLite ledger), whose routed-expert parameters every engine maps from shared memory;
-engines of 2 ranks on torch.distributed gloo running sglang's real
-``ModelRunner.maybe_init_expert_location_metadata``, ``EPLBManager``, ``init_by_eplb`` and
+tiny Qwen3-MoE and a tiny DeepSeek-V3 in turn (BF16 checkpoints loaded in float32), and prints
+them in tables: per EP rank a model-backed weight cache daemon (sglang's own
+``WeightCacheDaemon`` building the model class and loading a checkpoint written for the run with
+sglang's loader, with this plugin's hooks and a SQLite ledger), whose routed-expert parameters
+every engine maps from shared memory; engines of 2 ranks on torch.distributed gloo holding
+sglang's model and running sglang's real ``ModelRunner.maybe_init_expert_location_metadata``,
+``IpcModelLoader``, ``ModelRunner.forward`` (greedy decoding), ``EPLBManager`` (fed by sglang's
+expert distribution recorder from those forward passes), ``init_by_eplb`` and
 ``ExpertLocationUpdater`` through the plugin's real hooks. Then ``layout-ledger`` and the
-runbook's ``sqlite3`` query on the dirty daemon's ledger.
+runbook's ``sqlite3`` query on the dirty daemon's ledger, and the proposal's table measured by
+what the engines answer: greedy tokens against a reference loaded from disk.
 
     .venv/bin/python scripts/demo.py [--model qwen3_moe|deepseek_v3|both] [--rebalances N] [--keep]
 
@@ -163,6 +166,41 @@ def render_case1_side_by_side(runs: list[Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_answers(runs: list[Any]) -> str:
+    """The proposal's table measured by outputs, one per model: a row per engine, the version
+    it routed with, and of the 8 prompts those whose greedy tokens equal R's."""
+    blocks = []
+    for run in runs:
+        answers = run.answers
+        if answers.reference is None:
+            continue
+        prompts = len(answers.reference)
+        new_tokens = len(answers.reference[0])
+        rows = [("engine", "routes with", "= R's tokens", "result")]
+        rows.append(
+            ("R: from disk, never rebalanced (the reference)", "the initial layout", "-", "")
+        )
+        for row in answers.rows:
+            rows.append(
+                (row.label, row.routes_with(), row.measured(), "ok" if row.ok else "FAILED")
+            )
+        label_width = min(60, max(len(row[0]) for row in rows))
+        wrapped = [(textwrap.wrap(row[0], label_width) or [""], *row[1:]) for row in rows]
+        widths = [label_width] + [max(len(row[i]) for row in rows) for i in (1, 2)]
+        lines = [
+            f"The proposal's table, measured by outputs: {run.config.name}, {prompts} prompts x "
+            f"{new_tokens} new tokens, greedy; prompts whose tokens equal R's"
+        ]
+        for index, (label, routes, equal, result) in enumerate(wrapped):
+            first = f"  {label[0]:<{widths[0]}}  {routes:<{widths[1]}}  {equal:<{widths[2]}}  "
+            lines.append((first + result).rstrip())
+            lines.extend(f"  {more}" for more in label[1:])
+            if index == 0:
+                lines.append("  " + "-" * (sum(widths) + 6 + len("result")))
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + ("\n" if blocks else "")
+
+
 def _ranks(values: list[Any]) -> str:
     return ", ".join(str(value) for value in values)
 
@@ -201,21 +239,29 @@ def intro(configs: list[Any], keep: bool) -> str:
         "WeightCacheDaemon: its process groups on gloo, the model class built from the "
         "checkpoint's config.json and loaded by sglang's loader from safetensors shards written "
         "for this run, its serve loop and request handler, with this plugin's hooks and one "
-        "SQLite ledger each); engines of 2 rank processes on torch.distributed gloo running "
-        "sglang's real ModelRunner.maybe_init_expert_location_metadata (with the plugin's "
-        "startup hook around it, registered by the plugin entry point), EPLBManager.rebalance "
-        "(with the plugin's two-phase hook), ExpertLocationMetadata.init_by_eplb and "
-        "ExpertLocationUpdater (batch_isend_irecv over gloo) moving the real routed-expert "
-        "tensors (w13, w2 and FP8 scales). 'Slot s holds expert e' means its bytes equal the "
-        "checkpoint's expert e as sglang's loader places it.",
+        "SQLite ledger each); engines of 2 rank processes on torch.distributed gloo, each "
+        "holding sglang's model: sglang's real ModelRunner.maybe_init_expert_location_metadata "
+        "(with the plugin's startup hook around it, registered by the plugin entry point), its "
+        "IpcModelLoader (fetch_state with the plugin's layout field), greedy decoding through "
+        "ModelRunner.forward (torch-native attention over sglang's KV pools), sglang's expert "
+        "distribution recorder counting those passes' top-k choices, EPLBManager.rebalance "
+        "(with the plugin's two-phase hook) from on_forward_pass_end, "
+        "ExpertLocationMetadata.init_by_eplb and ExpertLocationUpdater (batch_isend_irecv over "
+        "gloo) moving the real routed-expert tensors. 'Slot s holds expert e' means its bytes "
+        "equal the checkpoint's expert e as sglang's loader places it; an engine is right when "
+        "its greedy tokens equal R's, an engine that loaded everything from disk and never "
+        "rebalanced.",
         "Stand-ins for what needs a GPU (docs/model-daemons.md): in the daemons, sglang's CPU "
         "platform, no pynccl, rope in torch, and shared-memory files in place of the CUDA IPC "
         "export (every engine maps them read-write: an in-place move by one is seen by all); in "
-        "the engines, mapping those files in place of the IPC loader's fetch_state, skewed "
-        "synthetic expert loads (SyntheticLoadRecorder) in place of routed tokens, and a "
-        "namespace with the attributes the startup method reads in place of the ModelRunner. "
-        "Case 4 (c) runs on the synthetic stand-in (model-less daemon, expert bytes that carry "
-        "their id): with the plugin no real load leaves a replica unfilled.",
+        "the engines, the same platform stand-ins, mapping those files in place of the IPC "
+        "loader's zero-copy mapping, the torch-native MoE runner dropping the experts of other "
+        "ranks as the GPU runners do, DeepSeek-V3's MLA path on the torch-native attention "
+        "backend, and a namespace with the attributes the startup method reads in place of the "
+        "ModelRunner. Before each rebalance an engine runs one forward pass over skewed prompts "
+        "(a few repeated tokens, different each time), so that its real routing asks for a new "
+        "layout. Case 4 (c) runs on the synthetic stand-in (model-less daemon, expert bytes "
+        "that carry their id): with the plugin no real load leaves a replica unfilled.",
         "Per-rank values read 'both: X' when each of the 2 EP ranks (or daemons) measured X, "
         "else rank 0's and rank 1's values.",
         "Work dirs (named below as each model starts) are removed on exit"
@@ -270,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     wall = time.monotonic() - started
     print(render_case1_side_by_side(runs), flush=True)
+    print(render_answers(runs), flush=True)
     print(render_summary(runs, wall), flush=True)
     return 1 if any(run.failed for run in runs) else 0
 

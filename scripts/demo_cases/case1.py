@@ -3,6 +3,11 @@
 With the plugin B adopts the ledger's version and every slot holds the expert B's metadata
 names. The same run with the plugin disabled (sglang's own daemon and engines, no hook) shows
 the bug: B routes with the initial layout over moved experts.
+
+Measured by outputs too (a model-backed demo): R, an engine from disk that never rebalances,
+gives the reference tokens; A answers before its first rebalance and after each; B answers
+after A stopped (R's tokens and A's last pass's); D, from disk with ``--init-expert-location``
+set to the daemons' map, answers as R; with the plugin disabled B's tokens differ from R's.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from demo_cases.answers import check_row, equal_prompts, tokens_of
 from demo_cases.results import CaseResult, both, per_rank, slots, yes
 from demo_cases.workspace import (
     Workspace,
@@ -28,10 +34,14 @@ def run_case1(workspace: Workspace) -> CaseResult:
     result = CaseResult("Case 1: restart on the same daemons (plugin on)")
     started = time.monotonic()
     versions = config.case1_rebalances * config.chunks_per_rebalance
+    if workspace.answers_tokens:
+        workspace.reference("case1")
     expert_dir = workspace.experts("case1")
     daemons = workspace.daemons("case1", experts=expert_dir)
     a_reports, layouts = _engine_a_rebalances(workspace, result, daemons, expert_dir)
     b_reports = _engine_b_adopts(workspace, result, daemons, expert_dir, a_reports[0]["map"])
+    if workspace.answers_tokens:
+        _engine_d_from_disk(workspace, result, a_reports[0]["map"])
     result.facts.update(
         a_map=a_reports[0]["map"],
         versions=versions,
@@ -58,7 +68,16 @@ def _engine_a_rebalances(
         per_rank(r["session"]["version"] for r in engine_a.started),
         all(r["session"]["version"] == 0 for r in engine_a.started),
     )
-    a_reports = engine_a.rebalance(n)
+    if workspace.answers_tokens:
+        workspace.answer(result, "A on the daemons, before its first rebalance", engine_a)
+        label = "A after each of its rebalances"
+        for _ in range(n):
+            a_reports = engine_a.rebalance(1)
+            final = workspace.answer(result, label, engine_a, check=False)
+        check_row(result, workspace.answers.row(label, True))
+        result.facts["a_final_tokens"] = tokens_of(final)
+    else:
+        a_reports = engine_a.rebalance(n)
     a_map = a_reports[0]["map"]
     result.check(
         f"A: rebalances done ({config.chunks_per_rebalance} chunks each)",
@@ -125,6 +144,18 @@ def _engine_b_adopts(
     engine_b = workspace.launch("case1", "B", daemons, expert_dir)
     b_reports = engine_b.started
     b_map = b_reports[0]["map"]
+    if workspace.answers_tokens:
+        replies = workspace.answer(
+            result, "B, started on the same daemons after A stopped (plugin on)", engine_b
+        )
+        a_final = result.facts["a_final_tokens"]
+        same = equal_prompts(tokens_of(replies), a_final)
+        result.check(
+            "B: prompts whose greedy tokens equal A's final pass",
+            f"{len(a_final)}/{len(a_final)}",
+            f"{same}/{len(a_final)}",
+            same == len(a_final),
+        )
     result.check(
         "B adopts the ledger's version at startup",
         both(versions, config.ep_size),
@@ -173,6 +204,30 @@ def _engine_b_adopts(
     return b_reports
 
 
+def _engine_d_from_disk(workspace: Workspace, result: CaseResult, a_map: Map) -> None:
+    """D loads everything from disk with ``--init-expert-location`` = the daemons' map (A's
+    last): the control of the proposal's case 1; its tokens are R's."""
+    config = workspace.config
+    engine_d = workspace.launch_from_disk("case1", "D", init_expert_location=a_map)
+    try:
+        d_right = sum(r["matching"] for r in engine_d.started)
+        result.check(
+            "D (from disk, --init-expert-location = the daemons' map): slots holding the "
+            "expert D's map names",
+            slots(config.all_slots, config),
+            slots(d_right, config),
+            d_right == config.all_slots,
+        )
+        workspace.answer(
+            result,
+            "D from disk, --init-expert-location = the daemons' map",
+            engine_d,
+            routes=f"v{config.case1_rebalances * config.chunks_per_rebalance}'s map, from disk",
+        )
+    finally:
+        engine_d.exit()
+
+
 LOADED_CHECK = "Every loaded expert slot holds the expert the layout names"
 
 
@@ -203,6 +258,13 @@ def run_case1_without_plugin(workspace: Workspace, plugin_a_map: Map | None) -> 
     engine_a = workspace.launch("case1-no-plugin", "A", daemons, expert_dir, plugin=False)
     a_reports = engine_a.rebalance(n)
     a_map = a_reports[0]["map"]
+    if workspace.answers_tokens:
+        workspace.answer(
+            result,
+            "A, plugin disabled, after its rebalances",
+            engine_a,
+            routes="its own map (no record)",
+        )
     result.check(
         "A (no plugin): rebalances run",
         both(n, config.ep_size),
@@ -215,13 +277,22 @@ def run_case1_without_plugin(workspace: Workspace, plugin_a_map: Map | None) -> 
         slots(sum(r["matching"] for r in a_reports), config),
         sum(r["matching"] for r in a_reports) == config.all_slots,
     )
-    if plugin_a_map is not None:
+    if plugin_a_map is not None and not workspace.answers_tokens:
+        # Synthetic loads are the same sequence in both runs; real routing counts every pass
+        # an engine ran (the plugin's run answered between its rebalances), so they differ.
         result.info(
             "A's moves = the plugin run's (same loads)", "yes" if a_map == plugin_a_map else "no"
         )
     engine_a.exit()
     engine_b = workspace.launch("case1-no-plugin", "B", daemons, expert_dir, plugin=False)
     b_map = engine_b.started[0]["map"]
+    if workspace.answers_tokens:
+        workspace.answer(
+            result,
+            "B, plugin disabled (sglang 0.5.23's own daemons and engines)",
+            engine_b,
+            expect_equal=False,
+        )
     result.check(
         "B (no plugin) routes with",
         "the initial layout",

@@ -78,6 +78,8 @@ def _standby_attaches(
         slots(c_correct, config),
         c_correct == config.all_slots,
     )
+    if workspace.answers_tokens:
+        workspace.answer(result, "C, attached beside A (case 2: A's rebalancing pauses)", engine_c)
     layouts = [reply.layout for reply in query_daemons(daemons)]
     result.check(
         "engines attached to each daemon",

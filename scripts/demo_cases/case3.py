@@ -97,6 +97,8 @@ def _kill_between_chunks(workspace: Workspace, result: CaseResult) -> int:
         slots(b_correct, config),
         b_correct == config.all_slots and b_reports[0]["map"] == half,
     )
+    if workspace.answers_tokens:
+        workspace.answer(result, "(a) B after A's SIGKILL between chunks (case 3)", engine_b)
     engine_b.exit()
     return committed
 

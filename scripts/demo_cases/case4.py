@@ -86,6 +86,10 @@ def _engine_b_repairs(
         per_rank(map(yes, same)),
         all(same),
     )
+    if workspace.answers_tokens:
+        workspace.answer(
+            result, "B on the daemons it repaired after a SIGKILL mid-move (case 4)", engine_b
+        )
     local = config.num_physical_slots // ep
     _ledger_checks(
         result,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from demo_cases.answers import check_row
 from demo_cases.results import CaseResult, both, per_rank, slots
 from demo_cases.workspace import Workspace, query_daemons, wait_for_daemons
 from sglang_integration.testing.cpu_engine import CpuEngine
@@ -76,7 +77,12 @@ def _follow_then_take_over(workspace: Workspace, result: CaseResult, warmup: Cas
         and all(r["state"]["rebalances_paused"] == 0 for r in moved),
     )
     # (b) C serves a warmup batch while A is alive: A's begins are busy until the lease ends.
-    served = engine_c.forward()
+    standby_label = "C, the warm standby of case 5, while A keeps rebalancing"
+    served = (
+        workspace.answer(warmup, standby_label, engine_c, check=False)
+        if workspace.answers_tokens
+        else engine_c.forward()
+    )
     warmup.check(
         "(b) C's warmup forward: lease on every daemon, routes with version",
         both(v2, config.ep_size),
@@ -100,7 +106,13 @@ def _follow_then_take_over(workspace: Workspace, result: CaseResult, warmup: Cas
         per_rank(_versions(daemons)),
         _versions(daemons) == [v3] * config.ep_size,
     )
-    newest = engine_c.forward()
+    newest = (
+        workspace.answer(warmup, standby_label, engine_c, check=False)
+        if workspace.answers_tokens
+        else engine_c.forward()
+    )
+    if workspace.answers_tokens:
+        check_row(warmup, workspace.answers.row(standby_label, True))
     warmup.check(
         "(b) C's next forward routes with A's newest version",
         both(v3, config.ep_size),
@@ -119,7 +131,11 @@ def _follow_then_take_over(workspace: Workspace, result: CaseResult, warmup: Cas
         per_rank(layout.version for layout in layouts),
         all(layout.version == last and not layout.dirty for layout in layouts),
     )
-    first = engine_c.forward()
+    first = (
+        workspace.answer(result, "C, the standby, taking over after A's SIGKILL (case 5)", engine_c)
+        if workspace.answers_tokens
+        else engine_c.forward()
+    )
     right = sum(r["matching"] for r in first)
     result.check(
         "C's first forward: its lease, A's last version, slots right (no daemon restart)",

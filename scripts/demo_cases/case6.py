@@ -153,6 +153,8 @@ def _engine_b_starts_balanced(
         slots(b_correct, config),
         b_correct == config.all_slots,
     )
+    if workspace.answers_tokens:
+        workspace.answer(result, "B after the daemons restarted, restored (case 6)", engine_b)
     engine_b.exit()
     return b_versions
 

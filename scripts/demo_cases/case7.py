@@ -99,6 +99,10 @@ def run_case7(workspace: Workspace) -> CaseResult:
         slots(right, config),
         right == config.all_slots,
     )
+    if workspace.answers_tokens:
+        workspace.answer(
+            result, "B after A's SIGKILL mid-move and the daemons' heal (case 7 (a))", engine_b
+        )
     engine_b.exit()
     for daemon in daemons:
         daemon.stop()

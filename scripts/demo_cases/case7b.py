@@ -140,6 +140,8 @@ def _engine_b_converges(
     )
     result.info("B's way for rank 1's daemon", way)
     result.info("B's start (seconds, rank 0)", f"{reports[0]['startup_seconds']:.2f}")
+    if workspace.answers_tokens:
+        workspace.answer(result, "B after its daemons converged (case 7 (b))", engine_b)
     engine_b.exit()
     return b_versions, way
 

@@ -7,8 +7,14 @@ from dataclasses import dataclass
 from layout_ledger.core.layout import Map, trivial_map
 
 # The models the demo runs on (scripts/demo.py runs each in turn), with their checkpoints' dtype.
-MODELS = {"qwen3_moe": "bf16", "deepseek_v3": "fp8_block"}
-MODEL_NAMES = {"qwen3_moe": "Qwen3-MoE, BF16", "deepseek_v3": "DeepSeek-V3, FP8 blocks"}
+# Both BF16 checkpoints, loaded in float32 (``DemoConfig.model_dtype``, lossless): the engines'
+# greedy tokens are then compared exactly. (FP8 blocks, whose matmuls need triton, compute no
+# token on a CPU; the suite moves and judges them, tests/test_model_daemons.py.)
+MODELS = {"qwen3_moe": "bf16", "deepseek_v3": "bf16"}
+MODEL_NAMES = {
+    "qwen3_moe": "Qwen3-MoE, float32 (BF16 checkpoint)",
+    "deepseek_v3": "DeepSeek-V3, float32 (BF16 checkpoint)",
+}
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,7 @@ class DemoConfig:
     case6_rebalances: int = 2
     case7b_rebalances: int = 1  # before the one A is killed in, between its ranks' commits
     load_seed: int = 11
+    model_dtype: str = "float32"  # sglang's --dtype of the model-backed daemons and engines
 
     @property
     def first_moe_layer(self) -> int:

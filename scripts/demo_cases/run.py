@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from demo_cases.answers import Answers
 from demo_cases.case1 import run_case1, run_case1_without_plugin
 from demo_cases.case2 import run_case2
 from demo_cases.case3 import run_case3
@@ -31,6 +32,7 @@ class DemoRun:
     cases: list[CaseResult] = field(default_factory=list)
     commands: list[CommandOutput] = field(default_factory=list)
     query: tuple[str, list[str], list[tuple[Any, ...]]] | None = None
+    answers: Answers = field(default_factory=Answers)  # what the engines answered
 
     @property
     def failed(self) -> list[tuple[str, Check]]:
@@ -71,4 +73,5 @@ def run_demo(
     done(run_case6(workspace))
     done(run_case7(workspace))
     done(run_case7b(workspace))
+    run.answers = workspace.answers
     return run

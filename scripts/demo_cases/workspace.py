@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from demo_cases.answers import Answers, record_answer
 from demo_cases.config import DemoConfig
 from demo_cases.results import CaseResult, slots
 from layout_ledger.core.layout import Map, trivial_map
@@ -72,6 +73,7 @@ class Workspace:
             )
         self.context: Any = None
         self.startup_seconds = 0.0
+        self.answers = Answers()  # what the engines answered (answers.py)
         self._engines: list[CpuEngine] = []
         self._daemons: list[Any] = []
         self._groups: list[Any] = []
@@ -221,7 +223,13 @@ class Workspace:
             num_redundant_experts=redundant
             if num_redundant_experts is None
             else (num_redundant_experts),
-            daemon_args=[*modes[record], *_heal_off_unless_given(flags), *flags],
+            daemon_args=[
+                *modes[record],
+                "--dtype",
+                self.config.model_dtype,
+                *_heal_off_unless_given(flags),
+                *flags,
+            ],
         )
         self._groups.append(group)
         return [group.daemon(rank) for rank in range(group.ep_size)]
@@ -261,6 +269,7 @@ class Workspace:
         plugin: bool = True,
         env: tuple[tuple[str, str], ...] = (),
         stop_in_converge: bool = False,
+        dtype: str | None = None,
     ) -> CpuEngine:
         spec = EngineSpec(
             name=name,
@@ -276,10 +285,96 @@ class Workspace:
             env=env,
             checkpoint=None if self.checkpoint is None else str(self.checkpoint),
             stop_in_converge=stop_in_converge,
+            dtype=(dtype or self.config.model_dtype) if self.model_backed else None,
         )
         engine = CpuEngine.launch(spec, self.context)
         self._engines.append(engine)
         return engine
+
+    def launch_from_disk(
+        self,
+        case: str,
+        name: str,
+        init_expert_location: Map | None = None,
+        dtype: str | None = None,
+    ) -> CpuEngine:
+        """An engine of ``config.ep_size`` ranks that loads every weight from the checkpoint (the
+        weight cache off), in sglang's initial layout or, given ``init_expert_location``, in that
+        map (sglang's ``--init-expert-location``, a file written in the case's directory)."""
+        import json
+
+        if self.checkpoint is None:
+            raise ValueError("an engine from disk needs a checkpoint (a model-backed demo)")
+        init = None
+        if init_expert_location is not None:
+            path = self.case_dir(case) / f"init-expert-location-{name}.json"
+            path.write_text(json.dumps({"physical_to_logical_map": init_expert_location}))
+            init = str(path)
+        spec = EngineSpec(
+            name=name,
+            model_dir=str(self.model_dir),
+            expert_dir="",
+            sockets=(),
+            port=free_port(),
+            num_redundant=self.config.num_redundant_experts,
+            layers_per_chunk=self.config.layers_per_chunk,
+            load_seed=self.config.load_seed,
+            log_dir=str(self.case_dir(case)),
+            checkpoint=str(self.checkpoint),
+            from_disk=True,
+            ranks=self.config.ep_size,
+            dtype=dtype or self.config.model_dtype,
+            init_expert_location=init,
+        )
+        engine = CpuEngine.launch(spec, self.context)
+        self._engines.append(engine)
+        return engine
+
+    # ------------------------------------------------------------ what engines answer
+
+    @property
+    def answers_tokens(self) -> bool:
+        """Whether this demo's engines compute tokens (a model-backed demo)."""
+        return self.model_backed
+
+    def reference(self, case: str) -> list[list[int]]:
+        """R's greedy tokens: an engine from disk in sglang's initial layout, never rebalanced
+        (answered once per workspace)."""
+        from demo_cases.answers import tokens_of
+
+        if self.answers.reference is None:
+            engine_r = self.launch_from_disk(case, "R")
+            try:
+                self.answers.reference = tokens_of(engine_r.generate())
+            finally:
+                engine_r.exit()
+        return self.answers.reference
+
+    def answer(
+        self,
+        result: CaseResult,
+        label: str,
+        engine: CpuEngine,
+        *,
+        expect_equal: bool = True,
+        check: bool = True,
+        routes: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """One greedy pass of ``engine`` (the default prompts), recorded as ``label``'s row of
+        the answers table and checked against R in ``result`` (``answers.record_answer``; R
+        answers first if it has not yet)."""
+        self.reference("reference")
+        replies = engine.generate()
+        record_answer(
+            self.answers,
+            result,
+            label,
+            replies,
+            expect_equal=expect_equal,
+            check=check,
+            routes=routes,
+        )
+        return replies
 
     def processes_alive(self) -> list[str]:
         """The engine ranks and daemons this workspace started that still run."""

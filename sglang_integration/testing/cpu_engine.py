@@ -543,7 +543,8 @@ class _EngineRank:
         from sglang_integration.testing.engine_forward import rebalance_in_passes
         from sglang_integration.testing.prompts import load_prompts
 
-        prompts = load_prompts(self.spec.load_seed, self.load_step, self.decoder.vocab_size)
+        step = f"{self.spec.name}:{self.load_step}"
+        prompts = load_prompts(self.spec.load_seed, step, self.decoder.vocab_size)
         self.load_step += 1
         self.rebalance_passes.append(
             rebalance_in_passes(self.manager, self.decoder.prefill, prompts)
@@ -558,20 +559,21 @@ class _EngineRank:
 
         if self.decoder is None:
             raise RuntimeError(f"engine {self.spec.name} holds no model that computes tokens")
+        from layout_ledger.core.layout import layout_digest
+
         chosen = [list(p) for p in DEFAULT_PROMPTS] if prompts is None else prompts
+        decoded = self.decoder.generate(
+            chosen, new_tokens, keep_logits, routed=lambda: layout_digest(routed_map())
+        )
         version, digest = self._routed_version()
-        decoded = self.decoder.generate(chosen, new_tokens, keep_logits)
-        after = self._routed_version()
-        if after != (version, digest):
-            raise RuntimeError(
-                f"the engine's layout changed during the pass: {version}/{digest[:12]} -> "
-                f"{after[0]}/{after[1][:12]}"
-            )
+        if digest != decoded.routed:
+            raise RuntimeError("the rank's layout changed after its greedy pass")
         report = self.report()
         report.update(
             tokens=decoded.tokens,
             logits=decoded.logits,
             step_seconds=decoded.step_seconds,
+            forward_seconds=decoded.step_seconds[0],  # the first step's (a standby's lease)
             routed_version=version,
             routed_digest=digest,
         )

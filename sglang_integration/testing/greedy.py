@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ class Decoded:
     tokens: list[list[int]]
     logits: list[list[list[float]]] | None = None
     step_seconds: list[float] = field(default_factory=list)
+    routed: str | None = None  # what ``generate``'s ``routed`` read (one value for the pass)
 
 
 class _Runner:
@@ -143,9 +144,18 @@ class GreedyDecoder:
         return output.logits_output
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], new_tokens: int, keep_logits: bool = False
+        self,
+        prompts: Sequence[Sequence[int]],
+        new_tokens: int,
+        keep_logits: bool = False,
+        routed: Callable[[], str] | None = None,
     ) -> Decoded:
-        """Greedy-decode ``new_tokens`` tokens after each prompt, all prompts in one batch."""
+        """Greedy-decode ``new_tokens`` tokens after each prompt, all prompts in one batch.
+
+        ``routed`` (the digest of the map the rank routes with) is read after every step: the
+        pass is one layout's only if it never changes (a standby adopts its daemons' layout in
+        its first step's lease, before that step computes). ``Decoded.routed`` is that digest.
+        """
         import torch
 
         self._check(prompts, new_tokens)
@@ -153,6 +163,7 @@ class GreedyDecoder:
         started = time.perf_counter()
         output = self.forward(self._extend_batch(prompts))
         seconds = [time.perf_counter() - started]
+        layout = None if routed is None else routed()
         logits = output.next_token_logits.float()
         steps_logits = [logits.tolist()] if keep_logits else None
         chosen = logits.argmax(-1)
@@ -162,6 +173,11 @@ class GreedyDecoder:
             started = time.perf_counter()
             output = self.forward(self._decode_batch(chosen, seq_lens))
             seconds.append(time.perf_counter() - started)
+            if routed is not None and routed() != layout:
+                raise RuntimeError(
+                    f"the rank's layout changed during a greedy pass (step {len(seconds)}): "
+                    "its tokens are of no one layout"
+                )
             seq_lens = seq_lens + 1
             logits = output.next_token_logits.float()
             if steps_logits is not None:
@@ -172,7 +188,7 @@ class GreedyDecoder:
         per_prompt_logits = None
         if steps_logits is not None:
             per_prompt_logits = [[step[i] for step in steps_logits] for i in range(batch)]
-        return Decoded(by_prompt, per_prompt_logits, seconds)
+        return Decoded(by_prompt, per_prompt_logits, seconds, layout)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> float:
         """One EXTEND pass over ``prompts`` and nothing more (its routing is recorded like any

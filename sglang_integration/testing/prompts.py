@@ -8,9 +8,10 @@ that sglang's expert distribution recorder counts real top-k choices that differ
 rebalance to the next. The default prompts' routing is the same at every pass (routing is by
 logical expert, whatever the layout), so after the first rebalance it would ask for the same
 layout again and no expert would move; each step's load prompts instead repeat a few tokens of
-its own (drawn from ``(seed, step)``), so a few experts per layer are hot, and different ones at
-each step. The routing is real (sglang's ``TopK`` over the model's router); only the choice of
-prompts is skewed.
+their own (drawn from ``(seed, step)``; an engine names its steps by its name and its count of
+rebalances, so two engines on the same daemons ask for different layouts too), so a few experts
+per layer are hot, and different ones at each step. The routing is real (sglang's ``TopK`` over
+the model's router); only the choice of prompts is skewed.
 
 ``read_prompts(path)`` reads a prompts file (a JSON list of token-id lists), which is untrusted:
 bounded in size, count and length, every id an int in the vocabulary.
@@ -48,7 +49,7 @@ class PromptsError(ValueError):
     """A prompts file that cannot be decoded; the message says what is wrong."""
 
 
-def load_prompts(seed: int, step: int, vocab_size: int) -> list[list[int]]:
+def load_prompts(seed: int, step: int | str, vocab_size: int) -> list[list[int]]:
     """Step ``step``'s skewed prompts (the module docstring): the same in every process."""
     rng = random.Random(f"load:{seed}:{step}")
     hot = rng.sample(range(vocab_size), LOAD_HOT_TOKENS)

@@ -1,0 +1,277 @@
+"""Engines answer: greedy tokens through sglang's own forward pass on the daemons' weights.
+
+The proposal's evidence, measured by outputs (docs/model-daemons.md, "Engines that answer"): R,
+an engine of 2 EP ranks that loads everything from disk and never rebalances, gives the
+reference tokens (8 prompts x 32 new tokens, greedy); an engine is right when its tokens equal
+R's. Real processes throughout: model-backed daemons (sglang's own daemon loading a tiny
+Qwen3-MoE from a BF16 checkpoint in float32, so tokens compare exactly), engines holding sglang's
+model with their routed experts mapped onto the daemons' tensors, sglang's ``ModelRunner.forward``
+and its expert distribution recorder feeding EPLB. The demo shows the same on DeepSeek-V3 too.
+
+One daemon group serves the module's tests in order (each leaves it clean; versions are asserted
+relative to where a test found them); the plugin-disabled and BF16 tests start their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from demo_cases import DemoConfig, Workspace
+from demo_cases.answers import equal_prompts, tokens_of
+from demo_cases.workspace import query_daemons, started_workspace, wait_for_daemons
+
+pytestmark = pytest.mark.timeout(600)
+
+# Four MoE layers, two per chunk: two versions per rebalance.
+CONFIG = DemoConfig(model="qwen3_moe", num_layers=4, layers_per_chunk=2)
+CHUNKS = CONFIG.chunks_per_rebalance
+PROMPTS = 8
+HEAL_AUTO = ("--expert-layout-heal", "auto")
+# A standby's idle time before its lease is released, shortened (30 s by default).
+STANDBY_ENV = (
+    ("SGLANG_EXPERT_LAYOUT_ROLE", "standby"),
+    ("SGLANG_EXPERT_LAYOUT_STANDBY_IDLE", "2"),
+    ("SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT", "60"),
+)
+# BF16 compares with a tolerance, never exactly: each rank's partial expert sum is rounded to
+# BF16 before the all-reduce, and moved experts regroup those sums (a GPU does the same). On the
+# first step every engine computes from the same prompts, so its logits may differ from R's by
+# no more than this; a first token may differ only where R's two best logits are closer than
+# twice it.
+BF16_LOGIT_TOLERANCE = 0.25
+
+
+@pytest.fixture(scope="module")
+def workspace() -> Iterator[Workspace]:
+    with started_workspace(CONFIG) as space:
+        yield space
+
+
+@pytest.fixture(scope="module")
+def reference(workspace: Workspace) -> list[list[int]]:
+    """R's tokens: from disk, sglang's initial layout, never rebalanced."""
+    return workspace.reference("reference")
+
+
+@pytest.fixture(scope="module")
+def daemons(workspace: Workspace) -> list[Any]:
+    """The module's daemon group (heal auto), shared by its tests in order."""
+    return workspace.daemons("answers", experts=workspace.experts("answers"), flags=HEAL_AUTO)
+
+
+def answer(engine: Any) -> tuple[list[list[int]], int | None]:
+    """One greedy pass of ``engine``: its tokens (every rank's the same) and the version its
+    daemons give the map it routed with."""
+    replies = engine.generate()
+    return tokens_of(replies), replies[0]["routed_version"]
+
+
+def versions(daemons: list[Any]) -> list[int]:
+    return [reply.layout.version for reply in query_daemons(daemons)]
+
+
+def launch(workspace: Workspace, daemons: list[Any], name: str, **kwargs: Any) -> Any:
+    engine = workspace.launch("answers", name, daemons, workspace.experts("answers"), **kwargs)
+    assert not engine.failed, engine.failed[0]["error"]
+    return engine
+
+
+def moved_slots(before: list[list[int]], after: list[list[int]]) -> int:
+    return sum(
+        a != b
+        for row_a, row_b in zip(before, after, strict=True)
+        for a, b in zip(row_a, row_b, strict=True)
+    )
+
+
+@pytest.fixture(scope="module")
+def engine_a_ran(
+    workspace: Workspace, reference: list[list[int]], daemons: list[Any]
+) -> dict[str, Any]:
+    """Engine A on the daemons: a pass before its first rebalance, then 3 rebalances, each
+    followed by a pass; then A stops. What it answered and moved."""
+    start = versions(daemons)[0]
+    engine_a = launch(workspace, daemons, "A")
+    passes = [answer(engine_a)]
+    maps = [engine_a.started[0]["map"]]
+    rebalance_passes: list[int] = []
+    try:
+        for _ in range(3):
+            reports = engine_a.rebalance(1)
+            maps.append(reports[0]["map"])
+            rebalance_passes.append(reports[0]["rebalance_passes"][-1])
+            passes.append(answer(engine_a))
+    finally:
+        engine_a.exit()
+    wait_for_daemons(daemons, lambda layout: not layout.attached, "A detached")
+    return {"start": start, "passes": passes, "maps": maps, "forward_passes": rebalance_passes}
+
+
+def test_engine_a_answers_as_r_before_its_first_rebalance_and_after_each(
+    engine_a_ran: dict[str, Any], reference: list[list[int]]
+) -> None:
+    start = engine_a_ran["start"]
+    routed = [
+        (equal_prompts(tokens, reference), version) for tokens, version in engine_a_ran["passes"]
+    ]
+    assert routed == [(PROMPTS, start + k * CHUNKS) for k in range(4)]
+
+
+def test_each_rebalance_follows_real_routing_and_moves_experts(
+    engine_a_ran: dict[str, Any],
+) -> None:
+    """Each rebalance ran from ``on_forward_pass_end`` of real forward passes (the recorder's
+    counts of their top-k choices) and moved at least one expert."""
+    maps = engine_a_ran["maps"]
+    assert all(moved_slots(maps[k], maps[k + 1]) > 0 for k in range(3))
+    assert all(passes >= CHUNKS for passes in engine_a_ran["forward_passes"])
+
+
+def test_b_started_after_a_stopped_answers_as_a_final_pass_and_as_r(
+    workspace: Workspace,
+    engine_a_ran: dict[str, Any],
+    reference: list[list[int]],
+    daemons: list[Any],
+) -> None:
+    engine_b = launch(workspace, daemons, "B")
+    try:
+        tokens, version = answer(engine_b)
+    finally:
+        engine_b.exit()
+    a_final, a_version = engine_a_ran["passes"][-1]
+    assert (version, tokens) == (a_version, a_final)
+    assert equal_prompts(tokens, reference) == PROMPTS
+    assert engine_b.started[0]["map"] == engine_a_ran["maps"][-1]
+
+
+def test_d_from_disk_with_the_daemons_map_answers_as_r(
+    workspace: Workspace, reference: list[list[int]], daemons: list[Any]
+) -> None:
+    the_map = query_daemons(daemons)[0].layout.physical_to_logical_map
+    assert the_map != CONFIG.initial_map()
+    engine_d = workspace.launch_from_disk("answers", "D", init_expert_location=the_map)
+    try:
+        assert engine_d.started[0]["map"] == the_map
+        assert sum(r["matching"] for r in engine_d.started) == CONFIG.all_slots
+        tokens, _ = answer(engine_d)
+    finally:
+        engine_d.exit()
+    assert equal_prompts(tokens, reference) == PROMPTS
+
+
+def test_a_warm_standby_answers_as_r_while_a_keeps_rebalancing(
+    workspace: Workspace, reference: list[list[int]], daemons: list[Any]
+) -> None:
+    """C, a warm standby, answers with the version it leases; A rebalances while C's lease is
+    released; C's next pass routes with A's newest version, and answers as R."""
+    engine_a = launch(workspace, daemons, "A-beside")
+    engine_c = launch(workspace, daemons, "C", env=STANDBY_ENV)
+    try:
+        first, first_version = answer(engine_c)
+        wait_for_daemons(
+            daemons, lambda layout: str(engine_c.engine_id) not in layout.leases, "released"
+        )
+        engine_a.rebalance(1)
+        assert versions(daemons) == [first_version + CHUNKS] * 2
+        second, second_version = answer(engine_c)
+    finally:
+        engine_c.exit()
+        engine_a.exit()
+    assert second_version == first_version + CHUNKS
+    assert equal_prompts(first, reference) == PROMPTS
+    assert equal_prompts(second, reference) == PROMPTS
+    wait_for_daemons(daemons, lambda layout: not layout.attached, "A and C detached")
+
+
+def test_b_after_a_sigkill_mid_move_and_the_heal_answers_as_r(
+    workspace: Workspace, reference: list[list[int]], daemons: list[Any]
+) -> None:
+    before = versions(daemons)[0]
+    engine_a = launch(workspace, daemons, "A-killed")
+    engine_a.stop_in_move(0)
+    engine_a.kill()
+    layouts = wait_for_daemons(
+        daemons, lambda layout: not layout.attached and not layout.dirty, "healed", timeout=120
+    )
+    assert [layout.version for layout in layouts] == [before] * 2
+    engine_b = launch(workspace, daemons, "B-healed")
+    try:
+        tokens, version = answer(engine_b)
+    finally:
+        engine_b.exit()
+    assert version == before
+    assert equal_prompts(tokens, reference) == PROMPTS
+    wait_for_daemons(daemons, lambda layout: not layout.attached, "B detached")
+
+
+def test_b_after_its_daemons_converged_answers_as_r(
+    workspace: Workspace, reference: list[list[int]], daemons: list[Any]
+) -> None:
+    """A is SIGKILLed between its ranks' commits: rank 0's daemon one version ahead, rank 1's
+    dirty, then healed; B brings rank 1 to the newest version and answers as R."""
+    before = versions(daemons)[0]
+    engine_a = launch(workspace, daemons, "A-split")
+    engine_a.stop_at_commit(0, skip_rank=1)
+    engine_a.kill()
+    layouts = wait_for_daemons(
+        daemons, lambda layout: not layout.attached and not layout.dirty, "healed"
+    )
+    assert [layout.version for layout in layouts] == [before + 1, before]
+    assert layouts[0].digest != layouts[1].digest  # the chunk moved experts on rank 0's daemon
+    engine_b = launch(workspace, daemons, "B-converged")
+    try:
+        tokens, version = answer(engine_b)
+    finally:
+        engine_b.exit()
+    layouts = [reply.layout for reply in query_daemons(daemons)]
+    assert [(x.version, x.digest) for x in layouts] == [(before + 1, layouts[0].digest)] * 2
+    assert version == before + 1
+    assert equal_prompts(tokens, reference) == PROMPTS
+    wait_for_daemons(daemons, lambda layout: not layout.attached, "B detached")
+
+
+def test_b_after_the_daemons_restart_answers_as_r_on_the_restored_version(
+    workspace: Workspace, reference: list[list[int]], daemons: list[Any]
+) -> None:
+    before = versions(daemons)[0]
+    assert before > 0
+    for daemon in daemons:
+        daemon.stop()
+    restarted = workspace.daemons("answers", experts=workspace.experts("answers"), flags=HEAL_AUTO)
+    assert [reply.layout.restored_from.version for reply in query_daemons(restarted)] == [
+        before
+    ] * 2
+    engine_b = launch(workspace, restarted, "B-restored")
+    try:
+        tokens, version = answer(engine_b)
+    finally:
+        engine_b.exit()
+    assert version == before
+    assert equal_prompts(tokens, reference) == PROMPTS
+
+
+def test_without_the_plugin_b_answers_otherwise_than_r_the_bug(
+    workspace: Workspace, reference: list[list[int]]
+) -> None:
+    """sglang 0.5.23 as it is (its own daemons, engines with no hook): A is right after its own
+    rebalances, B started after it routes with the initial layout over moved experts and its
+    greedy tokens are not R's."""
+    run_dir = workspace.experts("no-plugin")
+    daemons = workspace.daemons("no-plugin", record="no-plugin", experts=run_dir)
+    engine_a = workspace.launch("no-plugin", "A", daemons, run_dir, plugin=False)
+    try:
+        engine_a.rebalance(2)
+        a_tokens, _ = answer(engine_a)
+    finally:
+        engine_a.exit()
+    engine_b = workspace.launch("no-plugin", "B", daemons, run_dir, plugin=False)
+    try:
+        assert engine_b.started[0]["map"] == CONFIG.initial_map()
+        b_tokens, _ = answer(engine_b)
+    finally:
+        engine_b.exit()
+    assert equal_prompts(a_tokens, reference) == PROMPTS
+    assert equal_prompts(b_tokens, reference) < PROMPTS
