@@ -30,7 +30,8 @@ which never rebalances. ``--dtype`` must be the daemons' (``testing.daemons --dt
 the checkpoint's).
 
 Exit 0 with ``OUT.json`` written; 1 when the engine would fail to start (the reason, as the
-plugin gives it, on stderr) or a rank failed; 2 for refused arguments.
+plugin gives it, on stderr) or a rank failed; 2 for refused arguments (a prompts file, a dtype
+other than the daemons').
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ CHECKPOINT_DTYPES = {"bfloat16": "bfloat16", "float32": "float32"}
 
 class GenerateError(ModelToolkitError):
     """The engine did not start, or a rank failed: the message says why."""
+
+
+class DtypeMismatchError(GenerateError):
+    """``--dtype`` is not the dtype of the daemons' routed experts."""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -178,7 +183,7 @@ def check_daemons_dtype(args: argparse.Namespace) -> None:
     held = {tensor.dtype for tensors in manifest.layers.values() for tensor in tensors}
     floats = held & set(MODEL_DTYPES)
     if wanted is not None and floats and wanted not in floats:
-        raise GenerateError(
+        raise DtypeMismatchError(
             f"the daemons at {args.dir} hold {'/'.join(sorted(floats))} routed experts, this "
             f"engine would compute in {wanted}: pass --dtype {'/'.join(sorted(floats))}"
         )
@@ -288,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         document = run(args, log_dir)
-    except PromptsError as exc:
+    except (PromptsError, DtypeMismatchError) as exc:
         print(f"error: {printable(str(exc))}", file=sys.stderr)
         return 2
     except ModelToolkitError as exc:
@@ -299,10 +304,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: a rank failed: {exc}\n(the ranks' logs: {log_dir})", file=sys.stderr)
         return 1
     write_json(args.out, document)
+    version = document["version"]
     print(
         f"wrote {args.out}: {len(document['passes'])} pass(es), "
         f"{len(document['tokens'])} prompts x {args.new_tokens} tokens, version "
-        f"{document['version']}, digest {document['digest'][:16]}",
+        f"{version if version is not None else 'none'}"
+        f"{' (weights from disk)' if args.from_disk else ''}, "
+        f"digest {document['digest'][:16]}",
         flush=True,
     )
     return 0
