@@ -45,9 +45,22 @@ def workspace() -> Iterator[Workspace]:
 
 
 @pytest.fixture(scope="module")
-def reference(workspace: Workspace) -> list[list[int]]:
-    """R's tokens: from disk, sglang's initial layout, never rebalanced."""
-    return workspace.reference("reference")
+def reference_pass(workspace: Workspace) -> dict[str, Any]:
+    """R's pass, logits kept: from disk, sglang's initial layout, never rebalanced (float32)."""
+    engine_r = workspace.launch_from_disk("reference", "R")
+    try:
+        reply: dict[str, Any] = engine_r.generate(keep_logits=True)[0]
+    finally:
+        engine_r.exit()
+    workspace.answers.reference = reply["tokens"]
+    return reply
+
+
+@pytest.fixture(scope="module")
+def reference(reference_pass: dict[str, Any]) -> list[list[int]]:
+    """R's tokens."""
+    tokens: list[list[int]] = reference_pass["tokens"]
+    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +295,7 @@ def first_step_difference(a: list[list[list[float]]], b: list[list[list[float]]]
 
 
 def test_bf16_engines_agree_with_the_bf16_reference_within_bf16s_own_error(
-    workspace: Workspace, capsys: pytest.CaptureFixture[str]
+    workspace: Workspace, reference_pass: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """BF16 is compared with a stated tolerance, never exactly: each rank's partial expert sum
     is rounded to BF16 before the TP all-reduce, and moved experts regroup those sums (a GPU does
@@ -294,13 +307,12 @@ def test_bf16_engines_agree_with_the_bf16_reference_within_bf16s_own_error(
     reported."""
     run_dir = workspace.experts("bf16")
     daemons = workspace.daemons("bf16", experts=run_dir, flags=("--dtype", "bfloat16"))
-    passes: dict[str, Any] = {}
-    for name, dtype in (("R-bf16", "bfloat16"), ("R-fp32", "float32")):
-        engine = workspace.launch_from_disk("bf16", name, dtype=dtype)
-        try:
-            passes[name] = engine.generate(keep_logits=True)[0]
-        finally:
-            engine.exit()
+    passes: dict[str, Any] = {"R-fp32": reference_pass}
+    engine_r = workspace.launch_from_disk("bf16", "R-bf16", dtype="bfloat16")
+    try:
+        passes["R-bf16"] = engine_r.generate(keep_logits=True)[0]
+    finally:
+        engine_r.exit()
     engine_a = workspace.launch("bf16", "A-bf16", daemons, run_dir, dtype="bfloat16")
     try:
         passes["before"] = engine_a.generate(keep_logits=True)[0]
