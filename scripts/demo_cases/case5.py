@@ -16,8 +16,10 @@ from demo_cases.results import CaseResult, both, per_rank, slots
 from demo_cases.workspace import Workspace, query_daemons, wait_for_daemons
 from sglang_integration.testing.cpu_engine import CpuEngine
 
-# The standby's idle time, shortened for the demo (30 s by default).
-IDLE_SECONDS = 3.0
+# The standby's idle time, shortened for the demo (30 s by default): long enough that A's next
+# rebalance begins while C's lease holds (a model-backed A first runs its rebalance's forward
+# pass over skewed prompts, 0.1 to 0.5 s here, seconds on a machine loaded by other jobs).
+IDLE_SECONDS = 6.0
 STANDBY_ENV = (
     ("SGLANG_EXPERT_LAYOUT_ROLE", "standby"),
     ("SGLANG_EXPERT_LAYOUT_STANDBY_IDLE", str(IDLE_SECONDS)),
