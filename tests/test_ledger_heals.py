@@ -260,5 +260,5 @@ def test_the_downgrade_to_0008_refuses_a_ledger_holding_heal_or_reload_events(tm
     engine.dispose()
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
-            ("0009_heals",)
+            ("0010_checkpoint_changes",)
         ]

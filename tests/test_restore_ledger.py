@@ -172,11 +172,10 @@ def test_a_killed_restored_incarnation_is_replayed_and_ended_at_the_next_start(
     ("fields", "geometry", "checkpoint", "reason"),
     [
         ({}, Geometry(8, 16, 8), CHECKPOINT, "incarnation 1 has another geometry (8 layers x 12"),
-        ({}, SMALL, "d" * 64, "incarnation 1 loaded another checkpoint (identity cccccccccccc"),
         ({"checkpoint_digest": None}, SMALL, CHECKPOINT, "recorded no checkpoint identity"),
     ],
 )
-def test_another_geometry_or_checkpoint_or_an_incarnation_from_before_restores_offers_nothing(
+def test_another_geometry_or_an_incarnation_from_before_restores_offers_nothing(
     tmp_path: Path, fields: dict[str, object], geometry: Geometry, checkpoint: str, reason: str
 ) -> None:
     path = tmp_path / "l.sqlite"
@@ -184,6 +183,18 @@ def test_another_geometry_or_checkpoint_or_an_incarnation_from_before_restores_o
     offer = offered(path, geometry, checkpoint)
     assert isinstance(offer, NoOffer)
     assert reason in offer.reason
+
+
+def test_a_new_checkpoint_of_the_same_geometry_is_offered_the_placement_naming_the_old_one(
+    tmp_path: Path,
+) -> None:
+    """Issue 40, 3: the placement is valid for any weights of the same geometry; the offer names
+    the identity its incarnation loaded, so the daemon can tell a new checkpoint."""
+    path = tmp_path / "l.sqlite"
+    first = moved_ledger(path)
+    offer = offered(path, SMALL, "d" * 64)
+    assert isinstance(offer, RestoreOffer)
+    assert (offer.version, offer.digest, offer.checkpoint_digest) == (2, first.digest, CHECKPOINT)
 
 
 def test_an_empty_ledger_offers_nothing(tmp_path: Path) -> None:
