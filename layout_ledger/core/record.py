@@ -771,6 +771,9 @@ class LayoutRecord:
                 report = reloader(new_map, slots)
         except Exception as exc:
             failure = exc
+        except BaseException:  # a kill: the move stays pending, so the daemon ends dirty
+            self._reloading_ended()
+            raise
         with self._lock:
             self.reloading = None
             self._after_reload(move, layers, version)
@@ -802,6 +805,10 @@ class LayoutRecord:
             if found is not None:
                 self._check_committed_content(found, verb="reload")
             return result[0], result[1], report
+
+    def _reloading_ended(self) -> None:
+        with self._lock:
+            self.reloading = None
 
     def _after_reload(self, move: PendingMove, layers: Sequence[int], version: Any) -> None:
         """Back under the lock after a reload's writes: the incarnation must still be live and
@@ -892,6 +899,9 @@ class LayoutRecord:
             report = reloader(the_map, slots)
         except Exception as exc:
             failure = exc
+        except BaseException:  # a kill: the mark stays, so the daemon ends dirty
+            self._reloading_ended()
+            raise
         with self._lock:
             self.reloading = None
             if self.end_state is not None:
