@@ -393,3 +393,33 @@ def test_a_reloading_engine_can_neither_commit_nor_abort_its_move_before_the_rel
     assert (record.version, record.pending, record.dirty) == (4, None, None)
     assert _kinds(ledger, record)[-4:] == ["begin", "commit_refused", "abort_refused", "reload"]
     _agree(ledger, record, "after a reload that blocked")
+
+
+def _content_marked(service, slots: Slots) -> None:
+    """A slot of layer 0 changes without a commit; a content check marks the daemon dirty."""
+    slots.zero(0, 3)
+    reply = service.handle({"type": "expert_layout_content_check"})
+    assert reply["status"] == "ok" and reply["content"]["dirty"], reply
+
+
+def test_auto_heal_of_a_content_mark_waits_after_a_non_following_fetch(tmp_path):
+    """An engine that does not follow the layout fetched the weights, and the daemon cannot tell
+    when it exits: it may be routing with the slots, so a content mark is not healed by itself
+    (the same daemon without that fetch heals at once)."""
+    from layout_ledger.wire.healing import HEAL_AUTO, Healing
+    from layout_ledger.wire.service import LayoutService
+
+    outcomes = []
+    for fetched in (False, True):
+        ledger = open_ledger(tmp_path / f"l{int(fetched)}.sqlite")
+        record, slots = _start(ledger)
+        healing = Healing(HEAL_AUTO, CheckpointSlots(slots))
+        service = LayoutService(record, slots, healing)
+        if fetched:
+            assert service.check_fetch({"type": "fetch_state"}) is None  # served, non-following
+            assert record.non_following_fetch
+        _content_marked(service, slots)
+        healing.wait(10)
+        outcomes.append((record.dirty is not None, _kinds(ledger, record)[-1]))
+        ledger.close()
+    assert outcomes == [(False, "heal"), (True, "content_dirty")]
