@@ -7,7 +7,7 @@ stalled NFS, FUSE or object-store mount under the checkpoint) used to block the 
 ``safetensors.safe_open``, which holds the GIL while it opens and maps the file: every thread of
 the daemon stopped, its requests timed out and SIGTERM did nothing. Here the reads run in a
 child process, one per reloader call, that imports nothing but the standard library (it starts
-in about 20 ms):
+in about 20 ms, and one is kept started ahead):
 
 - it opens each file ``O_NONBLOCK`` and refuses anything ``fstat`` does not call a regular file
   (a FIFO, a device, a directory) before a byte is read, naming what it is;
@@ -31,8 +31,9 @@ daemon -> child ``{"op": "index", "directory", "max_index_bytes"}``, then per la
 ``ENTRIES_PER_MESSAGE`` each), ``{"op": "indexed", "bytes"}`` / ``{"op": "layer", "bytes",
 "size"}`` at the end of a step, or ``{"op": "error", "message"}``.
 
-Run as ``python -m sglang_integration.daemon.checkpoint_reads FD`` by ``ChildReader`` only. This
-module imports only the standard library at its top (torch in the daemon's functions only).
+Run as ``python -S -E -P .../checkpoint_reads.py FD`` by ``ChildReader`` only (one child is
+started ahead, so a heal does not wait for an interpreter). This module imports only the
+standard library at its top (torch in the daemon's functions only).
 """
 
 from __future__ import annotations
@@ -359,7 +360,12 @@ def child_main(fd: int) -> int:
 
 
 class ChildReader:
-    """Starts a reader child per read session; ``cancel`` stops every one (SIGTERM)."""
+    """Starts a reader child per read session; ``cancel`` stops every one (SIGTERM).
+
+    One child is kept started ahead (``_spare``: an interpreter without ``site``, waiting on its
+    socket, about 10 MB), so a heal does not wait for a process to start: each session takes it,
+    and starts the next one when it closes (the load-time reload check's session starts the
+    first)."""
 
     def __init__(self, timeout: float) -> None:
         if not timeout > 0:
@@ -368,31 +374,21 @@ class ChildReader:
         self._children: set[subprocess.Popen[bytes]] = set()
         self._lock = threading.Lock()
         self._cancelled = False
+        self._spare: tuple[subprocess.Popen[bytes], socket.socket] | None = None
 
     def session(self, directory: str) -> ReadSession:
         """A child reading from ``directory``, its index read (within the deadline)."""
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            with self._lock:
-                if self._cancelled:
-                    raise ReadFailed("the daemon is stopping; no checkpoint read starts now")
-                process = subprocess.Popen(
-                    [sys.executable, "-m", __name__, str(child.fileno())],
-                    pass_fds=(child.fileno(),),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    close_fds=True,
-                )
-                self._children.add(process)
-        except OSError as exc:
-            parent.close()
-            raise ReadFailed(f"the checkpoint reader could not start ({exc})") from None
-        except BaseException:
-            parent.close()
-            raise
-        finally:
-            child.close()
-        session = ReadSession(self, process, parent, directory)
+        started = time.monotonic()
+        with self._lock:
+            if self._cancelled:
+                raise ReadFailed("the daemon is stopping; no checkpoint read starts now")
+            spare, self._spare = self._spare, None
+        if spare is None or spare[0].poll() is not None:
+            if spare is not None:
+                spare[1].close()
+            spare = self._start()
+        process, parent = spare
+        session = ReadSession(self, process, parent, directory, started + self.timeout)
         try:
             session.read_index()
         except BaseException:
@@ -400,13 +396,54 @@ class ChildReader:
             raise
         return session
 
+    def _start_spare(self) -> None:
+        with self._lock:
+            if self._spare is not None or self._cancelled:
+                return
+        try:
+            spare = self._start()
+        except ReadFailed:
+            return  # the next session starts its own, and names the failure
+        with self._lock:
+            if self._spare is None and not self._cancelled:
+                self._spare = spare
+                return
+        _kill(spare[0])
+        spare[1].close()
+        self._forget(spare[0])
+
+    def _start(self) -> tuple[subprocess.Popen[bytes], socket.socket]:
+        """A child waiting on its end of a new socket pair: no ``site`` (``-S``), no
+        environment (``-E``), no script directory on its path (``-P``): the standard library
+        only, as this module needs."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-S", "-E", "-P", __file__, str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        except OSError as exc:
+            parent.close()
+            raise ReadFailed(f"the checkpoint reader could not start ({exc})") from None
+        finally:
+            child.close()
+        with self._lock:
+            self._children.add(process)
+        return process, parent
+
     def cancel(self) -> None:
         """Kill every reader child now; no read starts from here on."""
         with self._lock:
             self._cancelled = True
             children = list(self._children)
+            spare, self._spare = self._spare, None
         for process in children:
             _kill(process)
+        if spare is not None:
+            spare[1].close()
 
     def _forget(self, process: subprocess.Popen[bytes]) -> None:
         with self._lock:
@@ -432,6 +469,7 @@ class ReadSession:
         process: subprocess.Popen[bytes],
         sock: socket.socket,
         directory: str,
+        first_deadline: float,
     ) -> None:
         self.reader = reader
         self.process = process
@@ -439,9 +477,9 @@ class ReadSession:
         self.directory = directory
         self.index_bytes = 0
         self._where = os.path.join(directory, INDEX_FILE)
-        # The index and the first layer share one deadline from the child's start (a heal of
+        # The index and the first layer share one deadline from the session's start (a heal of
         # one blocked layer fails within the deadline of its start); each later layer has its own.
-        self._first_deadline: float | None = time.monotonic() + reader.timeout
+        self._first_deadline: float | None = first_deadline
 
     def read_index(self) -> None:
         self._send({"op": "index", "directory": self.directory, "max_index_bytes": MAX_INDEX_BYTES})
@@ -482,19 +520,16 @@ class ReadSession:
             os.close(memfd)
 
     def close(self) -> None:
-        """Tell the child to end and reap it (killed if it does not end within a second)."""
+        """Tell the child to end; it is reaped later (subprocess reaps a dropped child at its
+        next start), so closing waits for no interpreter's exit."""
         try:
             if self.process.poll() is None:
                 with contextlib.suppress(OSError):
                     self.sock.send(json.dumps({"op": "done"}).encode())
-                try:
-                    self.process.wait(1.0)
-                except subprocess.TimeoutExpired:
-                    _kill(self.process)
-                    _reap(self.process)
         finally:
             self.sock.close()
             self.reader._forget(self.process)
+            self.reader._start_spare()
 
     def _send(self, message: Mapping[str, Any]) -> None:
         try:
