@@ -6,8 +6,8 @@ raw reload is right (``checkpoint_reload``). A file that blocks (a FIFO in place
 stalled NFS, FUSE or object-store mount under the checkpoint) used to block the daemon's own
 ``safetensors.safe_open``, which holds the GIL while it opens and maps the file: every thread of
 the daemon stopped, its requests timed out and SIGTERM did nothing. Here the reads run in a
-child process, one per reloader call, that imports nothing but the standard library (it starts
-in about 20 ms, and one is kept started ahead):
+child process, one per reloader call, that imports nothing but the standard library (one is
+kept started ahead, so a heal waits for no interpreter):
 
 - it opens each file ``O_NONBLOCK`` and refuses anything ``fstat`` does not call a regular file
   (a FIFO, a device, a directory) before a byte is read, naming what it is;
