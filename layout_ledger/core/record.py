@@ -6,7 +6,8 @@ request with ``rules`` (the engine id first), hands the events of the change to 
 and only then changes its state in memory; a refused request appends its one refusal event
 (``<verb>_refused`` or ``begin_busy``) and raises. A journal that cannot append changes nothing
 in memory either, so memory and file agree, and the lock lets the daemon's serve loop and its
-attach watcher thread share one record.
+attach watcher thread share one record. A heal and a reload leave the lock while they read the
+checkpoint and write slots (``reloading``), so a file that blocks holds no request.
 A repair records the layout an engine's unfinished move left, only when every fingerprint it
 names is what the daemon's own slots show now (``rules.check_repair``).
 """
