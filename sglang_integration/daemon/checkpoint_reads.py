@@ -529,7 +529,8 @@ class ReadSession:
         finally:
             self.sock.close()
             self.reader._forget(self.process)
-            self.reader._start_spare()
+            # The next spare starts on a thread of its own: the heal does not wait for a fork.
+            threading.Thread(target=self.reader._start_spare, daemon=True).start()
 
     def _send(self, message: Mapping[str, Any]) -> None:
         try:
