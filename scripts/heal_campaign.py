@@ -21,23 +21,35 @@ After each kill:
 - ``verify``'s checks of that incarnation pass; the restart restores the killed incarnation's
   newest committed version (``crash_campaign._check_restore``) and loads every slot right.
 
-    .venv/bin/python scripts/heal_campaign.py [--kills 200] [--model qwen3_moe|deepseek_v3]
-        [--seed N] [--reload-delay SECONDS]
+Blocked and slow shards (issue 40): in a share of the heal rounds the shard holding the first
+pending layer is put on a real FUSE mount over the file (``testing.stalled_mount``) while the
+daemons heal: ``blocked`` (no read is ever answered: the heal must fail at the read deadline,
+``--expert-layout-heal-timeout``, and the kill may land while a reader child sleeps in the
+kernel) or ``slow`` (every read answered after ``--slow-read`` seconds). All along, both daemons
+are asked ``ping`` and ``expert_layout_query`` ten times a second: each must answer within 1 s
+(unanswered: must be 0). The mount goes away after the kill, before the restart.
 
-Prints one table (kills, of them during heals; what must be 0).
+    .venv/bin/python scripts/heal_campaign.py [--kills 200] [--model qwen3_moe|deepseek_v3]
+        [--seed N] [--reload-delay SECONDS] [--blocked 0.2] [--slow 0.2] [--slow-read SECONDS]
+        [--heal-timeout SECONDS]
+
+Prints one table (kills, of them during heals, the shard rounds; what must be 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import sqlite3
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +64,20 @@ LOCAL = (NUM_EXPERTS + REDUNDANT) // RANKS  # each rank's local slots
 HEAL_ROUNDS = 0.85  # the share of rounds that end with a heal under way
 
 
+ANSWER_WITHIN = 1.0  # seconds every request has during a heal, blocked shard or not
+
+
 @dataclass
 class HealTally(Tally):
     during_heals: int = 0  # kills after a heal began reloading and before it was recorded
     heals_recorded: int = 0  # kills after the heal was recorded (the daemon clean again)
     wrong_clean: int = 0  # a clean state whose slots do not hold what the map names
+    shard_rounds: dict[str, int] = field(default_factory=dict)  # blocked / slow: rounds
+    deadline_failures: int = 0  # heal_failed events naming the read deadline (blocked shards)
+    other_heal_failures: int = 0  # heal_failed for any other reason (must be 0)
+    asked: int = 0  # requests sent to the daemons during heal rounds
+    unanswered: int = 0  # of them: no answer within ANSWER_WITHIN (must be 0)
+    slowest: float = 0.0  # the slowest answer, seconds
 
 
 def campaign_daemon(spec: Any, rank: int, log_path: str | None = None) -> None:
@@ -69,15 +90,82 @@ def campaign_daemon(spec: Any, rank: int, log_path: str | None = None) -> None:
 
     delay = float(os.environ.get("HEAL_CAMPAIGN_DELAY", "0.03"))
     marker = Path(spec.path(rank, ".healing"))
-    real = checkpoint_reload.read_layer_tensors
+    reloader = checkpoint_reload.CheckpointReloader
+    real = reloader._reload_layer
 
-    def slowed(directory: Path, by_file: Any) -> Any:
+    def slowed(self: Any, session: Any, layer: int, experts: Any) -> int:
         marker.write_text("reloading")
         time.sleep(delay)
-        return real(directory, by_file)
+        return real(self, session, layer, experts)
 
-    checkpoint_reload.read_layer_tensors = slowed
+    reloader._reload_layer = slowed  # type: ignore[method-assign]
     run_model_daemon(spec, rank, log_path)
+
+
+class Prober:
+    """``ping`` and ``expert_layout_query`` to every daemon ten times a second on a thread; each
+    must answer within ``ANSWER_WITHIN`` (counted in the tally)."""
+
+    def __init__(self, sockets: list[str], tally: HealTally) -> None:
+        self.sockets, self.tally = sockets, tally
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from sglang_integration.testing.daemon_control import request
+
+        while not self._stop.is_set():
+            for path in self.sockets:
+                for kind in ("ping", "expert_layout_query"):
+                    started = time.monotonic()
+                    try:
+                        request(path, {"type": kind}, ANSWER_WITHIN)
+                    except (OSError, EOFError, ValueError):
+                        self.tally.unanswered += 1
+                    took = time.monotonic() - started
+                    self.tally.slowest = max(self.tally.slowest, took)
+                    self.tally.asked += 1
+                    if took > ANSWER_WITHIN:
+                        self.tally.unanswered += 1
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _shard_of(checkpoint: Path, layer: int) -> Path:
+    """The shard holding ``layer``'s routed experts (the index names it)."""
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    prefix = f"model.layers.{layer}.mlp.experts.0."
+    (file,) = {f for name, f in index["weight_map"].items() if name.startswith(prefix)}
+    return checkpoint / str(file)
+
+
+@contextlib.contextmanager
+def _shard_on(kind: str, shard: Path, slow_read: float) -> Iterator[None]:
+    """``shard`` on a blocked or slow mount while the block runs (``plain``: as it is)."""
+    if kind == "plain":
+        yield
+        return
+    from sglang_integration.testing.stalled_mount import stalled_file
+
+    with stalled_file(shard, kind, slow_read):
+        yield
+
+
+def _heal_failures(ledger: Path, incarnation_id: int) -> list[str]:
+    with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as db:
+        rows = db.execute(
+            "SELECT reason FROM events WHERE incarnation_id = ? AND kind = 'heal_failed' "
+            "ORDER BY event_id",
+            (incarnation_id,),
+        ).fetchall()
+    return [str(reason) for (reason,) in rows]
 
 
 def _events(ledger: Path, incarnation_id: int) -> list[str]:
@@ -136,7 +224,16 @@ def _spoil(socket_path: str, layers: list[int]) -> None:
 
 
 def run_campaign(
-    workdir: Path, kills: int, *, model: str = "qwen3_moe", seed: int = 1, delay: float = 0.15
+    workdir: Path,
+    kills: int,
+    *,
+    model: str = "qwen3_moe",
+    seed: int = 1,
+    delay: float = 0.15,
+    blocked: float = 0.0,
+    slow: float = 0.0,
+    slow_read: float = 0.05,
+    heal_timeout: float = 1.5,
 ) -> HealTally:
     import os
 
@@ -152,7 +249,9 @@ def run_campaign(
     spec = spec_with_flags(
         workdir / "run",
         checkpoint,
-        flags_of(["--expert-layout-heal", "auto"]),
+        flags_of(
+            ["--expert-layout-heal", "auto", "--expert-layout-heal-timeout", str(heal_timeout)]
+        ),
         ep_size=RANKS,
         num_redundant_experts=REDUNDANT,
         model=model,
@@ -174,21 +273,35 @@ def run_campaign(
             if reply is not None and reply.ok:
                 acked[reply.body["version"]] = reply.body["digest"]
         tally.acknowledged += len(acked)
+        kind = "plain"
         if rng.random() < HEAL_ROUNDS:
             layout = request(sockets[0], {"type": "expert_layout_query"})["layout"]
             layers = sorted(rng.sample(moe_layers, rng.randint(1, min(2, len(moe_layers)))))
-            for engine in engines:
-                engine.begin(layout["version"], layers)
-            _spoil(sockets[0], layers)
-            for engine in engines:
-                engine.kill()
-            time.sleep(rng.uniform(0.02, 0.02 + delay * len(layers)))
+            draw = rng.random()
+            kind = "blocked" if draw < blocked else "slow" if draw < blocked + slow else "plain"
+            window = delay * len(layers)
+            if kind == "blocked":
+                window = 2 * heal_timeout + 0.5  # kills during the blocked read and after it failed
+            elif kind == "slow":
+                window += 20 * slow_read
+            with _shard_on(kind, _shard_of(checkpoint, layers[0]), slow_read):
+                with Prober(sockets, tally):
+                    for engine in engines:
+                        engine.begin(layout["version"], layers)
+                    _spoil(sockets[0], layers)
+                    for engine in engines:
+                        engine.kill()
+                    time.sleep(rng.uniform(0.02, 0.02 + window))
+                reloading = [markers[rank].exists() for rank in range(RANKS)]
+                for rank in range(RANKS):
+                    group.kill(rank)
         else:
             time.sleep(rng.uniform(0.0, 0.01))
-        reloading = []
-        for rank in range(RANKS):
-            reloading.append(markers[rank].exists())
-            group.kill(rank)
+            reloading = [markers[rank].exists() for rank in range(RANKS)]
+            for rank in range(RANKS):
+                group.kill(rank)
+        if kind != "plain":
+            tally.shard_rounds[kind] = tally.shard_rounds.get(kind, 0) + 1
         for engine in engines:
             engine.kill()
         for process in group.processes:
@@ -245,6 +358,12 @@ def _check_killed(
     if lost:
         tally.problem(f"incarnation {i}: acknowledged versions {lost} lost")
     kinds = _events(ledger, i)
+    for reason in _heal_failures(ledger, i):
+        if "within the deadline of" in reason:
+            tally.deadline_failures += 1
+        else:
+            tally.other_heal_failures += 1
+            tally.problem(f"incarnation {i}: heal_failed: {reason[:300]}")
     healed = bool(kinds) and kinds[-1] == "heal"
     if reloading and not healed and "heal_failed" not in kinds[-1:]:
         tally.during_heals += 1
@@ -306,6 +425,13 @@ def render(tally: HealTally, model: str, seconds: float) -> str:
         ("wrong ends or restores", f"{tally.wrong_states}   (must be 0)"),
         ("verify failures", f"{tally.verify_failures}   (must be 0)"),
         ("daemon start failures", f"{tally.start_failures}   (must be 0)"),
+        ("heal rounds on a blocked shard", f"{tally.shard_rounds.get('blocked', 0)}"),
+        ("heal rounds on a slow shard", f"{tally.shard_rounds.get('slow', 0)}"),
+        ("heal_failed at the read deadline", f"{tally.deadline_failures}"),
+        ("heal_failed for another reason", f"{tally.other_heal_failures}   (must be 0)"),
+        ("requests during heal rounds", f"{tally.asked}"),
+        (f"  unanswered within {ANSWER_WITHIN:g} s", f"{tally.unanswered}   (must be 0)"),
+        ("  slowest answer", f"{tally.slowest * 1000:.0f} ms"),
     ]
     if tally.restart_seconds:
         rows.append(("restart, median", f"{statistics.median(tally.restart_seconds):.2f} s"))
@@ -325,6 +451,8 @@ def ok(tally: HealTally) -> bool:
         or tally.wrong_clean
         or tally.verify_failures
         or tally.start_failures
+        or tally.other_heal_failures
+        or tally.unanswered
     )
 
 
@@ -336,6 +464,10 @@ def main() -> int:
     parser.add_argument("--model", choices=("qwen3_moe", "deepseek_v3"), default="qwen3_moe")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--reload-delay", type=float, default=0.15)
+    parser.add_argument("--blocked", type=float, default=0.2, help="share of heal rounds")
+    parser.add_argument("--slow", type=float, default=0.2, help="share of heal rounds")
+    parser.add_argument("--slow-read", type=float, default=0.05, help="seconds per slow read")
+    parser.add_argument("--heal-timeout", type=float, default=1.5)
     args = parser.parse_args()
     from sglang_integration.testing.sglang_env import set_quiet_sglang_env
 
@@ -343,7 +475,15 @@ def main() -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="heal-campaign-") as workdir:
         tally = run_campaign(
-            Path(workdir), args.kills, model=args.model, seed=args.seed, delay=args.reload_delay
+            Path(workdir),
+            args.kills,
+            model=args.model,
+            seed=args.seed,
+            delay=args.reload_delay,
+            blocked=args.blocked,
+            slow=args.slow,
+            slow_read=args.slow_read,
+            heal_timeout=args.heal_timeout,
         )
     print(render(tally, args.model, time.monotonic() - started))
     return 0 if ok(tally) else 1

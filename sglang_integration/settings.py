@@ -124,6 +124,15 @@ DEFAULT_RESTORE = RestoreMode.LAST
 # restart that reads the whole checkpoint and makes every engine fetch again.
 DEFAULT_HEAL = HealMode.AUTO
 
+# Seconds one checkpoint read of a heal or reload may take (the index, then each layer's local
+# experts, each in a child process, checkpoint_reads.py) before the child is killed and the heal
+# fails naming the file: a blocked file (a FIFO, a stalled NFS/FUSE mount) never holds a daemon.
+# Sized for the largest read it makes: one layer of DeepSeek-V3 at EP 16 from a slow disk. A rank
+# holds 288 / 16 = 18 slots, at most 18 distinct experts of 3 x 7168 x 2048 FP8 bytes plus their
+# 128 x 128-block float32 scales (10,752 B): 18 x 44,050,944 B = 793 MB; at 10 MB/s (a degraded
+# network mount; a local disk streams 10 to 100 times faster) that is 79 s, so 120 s with room.
+DEFAULT_HEAL_TIMEOUT = 120.0
+
 # An engine attaches as an active engine (it serves and may move experts, as every engine before
 # roles did) unless it is started as a warm standby.
 ROLE_ACTIVE = "active"
@@ -347,6 +356,14 @@ HEAL: Setting[HealMode] = Setting(
     "(off)",
     choices=HEAL_CHOICES,
 )
+HEAL_TIMEOUT: Setting[float] = Setting(
+    env="SGLANG_EXPERT_LAYOUT_HEAL_TIMEOUT",
+    flag="--expert-layout-heal-timeout",
+    default=DEFAULT_HEAL_TIMEOUT,
+    parse=positive_seconds,
+    help="seconds one checkpoint read of a heal or reload (the index, then each layer's local "
+    "experts, in a child process) may take before it is killed and the heal fails naming the file",
+)
 
 ROLE: Setting[str] = Setting(
     env="SGLANG_EXPERT_LAYOUT_ROLE",
@@ -375,6 +392,7 @@ SETTINGS: tuple[Setting[Any], ...] = (
     CONTENT_CHECK,
     RESTORE,
     HEAL,
+    HEAL_TIMEOUT,
     ROLE,
     STANDBY_IDLE,
 )

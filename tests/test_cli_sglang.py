@@ -70,6 +70,9 @@ SGLANG_SCRIPT = textwrap.dedent(
 
     results["check"] = run(work["check"])
     results["wrong_model"] = run(work["wrong_model"])
+    for name in ("existing", "forced"):
+        results[name] = run(work[name])
+        results[name]["file"] = open(work["existing_file"]).read()
 
     from layout_ledger.core.layout import Geometry
     from layout_ledger.cli.sglang_export_check import check_export
@@ -92,6 +95,8 @@ def sglang_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = write_tiny_moe_config(directory / "model", num_layers=4, num_experts=4)
     other_model = write_tiny_moe_config(directory / "model-5-layers", num_layers=5, num_experts=4)
     exported = directory / "layout.json"
+    existing = directory / "existing.json"
+    existing.write_text("an operator's file\n")
     work = {
         "formats": FORMAT_CASES,
         "check": [
@@ -102,6 +107,15 @@ def sglang_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "export", str(ledger), "-o", str(directory / "again.json"), "--check",
             "--model-path", str(other_model),
         ],
+        "existing": [
+            "export", str(ledger), "-o", str(existing), "--check", "--model-path", str(model),
+            "--ep-size", "2",
+        ],
+        "forced": [
+            "export", str(ledger), "-o", str(existing), "--check", "--model-path", str(model),
+            "--ep-size", "2", "--force",
+        ],
+        "existing_file": str(existing),
         "exported": str(exported),
         "model": str(model),
         "results": str(directory / "results.json"),
@@ -149,6 +163,23 @@ def test_export_check_loads_the_file_through_sglang_and_finds_the_ledgers_map(sg
     }
     with LedgerReader(sglang_run["ledger"]) as reader:
         assert json.loads(Path(sglang_run["exported"]).read_text()) == {
+            "physical_to_logical_map": reader.state().physical_to_logical_map
+        }
+
+
+@pytest.mark.timeout(300)
+def test_export_check_never_replaces_an_existing_file_without_force(sglang_run):
+    existing = sglang_run["existing"]
+    assert existing["code"] == exit_codes.FAILED
+    assert (
+        "export never replaces a file: remove it, name another, or pass --force"
+        in (existing["err"])
+    )
+    assert existing["file"] == "an operator's file\n"
+    forced = sglang_run["forced"]
+    assert (forced["code"], forced["err"]) == (exit_codes.OK, "")
+    with LedgerReader(sglang_run["ledger"]) as reader:
+        assert json.loads(forced["file"]) == {
             "physical_to_logical_map": reader.state().physical_to_logical_map
         }
 

@@ -37,10 +37,12 @@ def test_verify_of_a_clean_ledger_reports_each_check(tmp_path, capsys):
         "incarnation 1 digests: ok: digests of versions 0..0 recomputed from the rows match\n"
         "incarnation 1 fingerprints: ok: no slot fingerprints recorded\n"
         "incarnation 1 events: ok: 4 events consistent\n"
+        "incarnation 1 contents: ok: not restored from this ledger\n"
         "incarnation 2 version_chain: ok: versions 0..3 without gaps\n"
         "incarnation 2 digests: ok: digests of versions 0..3 recomputed from the rows match\n"
         "incarnation 2 fingerprints: ok: no slot fingerprints recorded\n"
         "incarnation 2 events: ok: 13 events consistent\n"
+        "incarnation 2 contents: ok: not restored from this ledger\n"
         f"chain: ok: 17 events chained, head {_chain_head(path)}\n"
         "verified: no inconsistency\n"
     )
@@ -212,10 +214,12 @@ def test_verify_json_lists_every_check_and_the_first_inconsistency(tmp_path, cap
         ("digests", 1, True),
         ("fingerprints", 1, True),
         ("events", 1, True),
+        ("contents", 1, True),
         ("version_chain", 2, True),
         ("digests", 2, True),
         ("fingerprints", 2, True),
         ("events", 2, False),
+        ("contents", 2, True),
         ("chain", None, False),
     ]
     assert report["first_inconsistency"] == (

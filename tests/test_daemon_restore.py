@@ -229,7 +229,8 @@ def test_each_slot_loaded_into_the_restored_layout_is_checked_against_the_ledger
         assert (state["version"], state["dirty"]) == (1, True)
         assert state["dirty_reason"].startswith(
             "the weights loaded into the restored version 1 of incarnation 2 do not hold what "
-            "the ledger recorded for those experts: layer 0: slot 2 holds expert 2, not expert 3"
+            "incarnation 2's clean load of the same checkpoint recorded for those experts: "
+            "layer 0: slot 2 holds expert 2, not expert 3"
         )
         fetch = request(
             third.socket_path,
@@ -238,3 +239,41 @@ def test_each_slot_loaded_into_the_restored_layout_is_checked_against_the_ledger
         assert fetch["status"] == msg.LAYOUT_REFUSED  # dirty from its start
     finally:
         third.stop()
+
+
+def test_a_load_that_went_wrong_is_never_the_baseline_of_a_later_restore(tmp_path: Path) -> None:
+    """Issue 40, 4: an incarnation dirty from its own load (same checkpoint, a slot read wrong)
+    recorded what that load left; the next restarts on the same files judge their slots against
+    the clean load before it, never against it: right bytes come up clean, wrong bytes dirty,
+    as often as they are restarted, and verify finds every version's contents consistent."""
+    experts_dir = tmp_path / "experts"
+    experts = create_shared_experts(experts_dir, 0, SHAPE, INITIAL)
+    first = start(tmp_path, "--experts", str(experts_dir))
+    engine = EngineStandIn.start(first.socket_path, "engine-a")
+    try:
+        assert engine.begin(0, [0]).ok
+        experts.fill([ROW, INITIAL[1], INITIAL[2]])
+        assert engine.commit({0: ROW}).ok
+    finally:
+        engine.exit()
+    first.stop()
+    restored = [ROW, INITIAL[1], INITIAL[2]]
+    wrong = [list(row) for row in restored]
+    wrong[0][2] = 2  # slot 2 (expert 3, its only copy) read with expert 2's bytes
+    verdicts = []
+    for held in (restored, wrong, restored, restored, wrong, restored):
+        create_shared_experts(experts_dir, 0, SHAPE, held)
+        daemon = start(tmp_path, "--experts", str(experts_dir))
+        try:
+            state = layout(daemon)
+            assert state["version"] == 1
+            verdicts.append(state["dirty"])
+        finally:
+            daemon.stop()
+    assert verdicts == [False, True, False, False, True, False]
+    with sqlite3.connect(f"file:{first.ledger_path}?mode=ro", uri=True) as conn:
+        dirty_from_load = conn.execute(
+            "SELECT incarnation_id FROM ledger_checkpoints WHERE load_dirty ORDER BY 1"
+        ).fetchall()
+    assert dirty_from_load == [(3,), (6,)]
+    assert first.ledger_path is not None and verified(first.ledger_path) is None

@@ -10,6 +10,7 @@ checkpoint expert its map names). The model-backed daemons reload through sglang
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import Mapping, Sequence
 
 import pytest
@@ -260,5 +261,165 @@ def test_the_downgrade_to_0008_refuses_a_ledger_holding_heal_or_reload_events(tm
     engine.dispose()
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
-            ("0009_heals",)
+            ("0010_checkpoint_changes",)
         ]
+
+
+class BlockedSlots(CheckpointSlots):
+    """A reload from a checkpoint whose file blocks until ``release`` is set (a stalled mount)."""
+
+    def __init__(self, slots: Slots) -> None:
+        super().__init__(slots)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, physical_to_logical_map, slots):
+        self.entered.set()
+        assert self.release.wait(30)
+        return super().__call__(physical_to_logical_map, slots)
+
+
+def _within(seconds: float, call):
+    """``call()`` on a thread; its result, or a failure when it does not return in time (a held
+    lock)."""
+    box: list = []
+
+    def run():
+        try:
+            box.append(("ok", call()))
+        except Exception as exc:
+            box.append(("raised", exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert box, f"{call} did not return within {seconds} s: a lock is held"
+    return box[0]
+
+
+def test_a_heal_holds_no_lock_while_it_reads_and_refuses_what_could_race_it(tmp_path):
+    """Issue 40, 1: while a heal's read blocks, the record answers (state, fetch refused) and
+    refuses a second heal and a repair; the heal records its end when the read returns."""
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    _dirty_by_a_mover(record, slots)
+    record.attach("R")
+    blocked = BlockedSlots(slots)
+    healer = threading.Thread(target=record.heal, args=(blocked,), daemon=True)
+    healer.start()
+    assert blocked.entered.wait(10)
+    kind, state = _within(2, record.state)
+    assert kind == "ok" and state.dirty is not None
+    assert state.reloading is not None and state.reloading.describe() == (
+        "a heal of layers [0, 1] from the checkpoint is running"
+    )
+    kind, refused = _within(2, lambda: record.fetch({"engine_id": None, "version": 0}))
+    assert kind == "raised" and isinstance(refused, errors.LayoutDirty)
+    kind, refused = _within(2, lambda: record.heal(CheckpointSlots(slots)))
+    assert kind == "raised" and str(refused) == (
+        "a heal of layers [0, 1] from the checkpoint is running now; wait for its end (a heal "
+        "or heal_failed event, or the reload's reply)"
+    )
+    kind, refused = _within(2, lambda: record.repair("R", {}, {}, slots.fingerprints))
+    assert kind == "raised" and isinstance(refused, errors.NotRepairable)
+    assert "its slots are being rewritten" in str(refused)
+    blocked.release.set()
+    healer.join(10)
+    assert record.dirty is None and record.reloading is None
+    assert _kinds(ledger, record)[-4:] == [
+        "fetch_refused",
+        "heal_refused",
+        "repair_refused",
+        "heal",
+    ]
+    _agree(ledger, record, "after a heal that blocked")
+
+
+def test_a_heal_is_refused_while_a_move_is_pending(tmp_path):
+    """A daemon marked dirty by its content while another move is pending: the heal is refused,
+    the mark stays, and that move can never commit (it would commit over unknown slots)."""
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    record.attach("A")
+    record.begin("A", 0, [2])
+    slots.zero(0, 3)  # content that moved outside the pending layer, without a commit
+    record.content_check(slots.fingerprints)
+    assert record.dirty is not None and record.pending is not None
+    with pytest.raises(errors.HealRefused, match="engine 'A' has a move pending; abort it"):
+        record.heal(CheckpointSlots(slots))
+    assert record.dirty is not None
+    with pytest.raises(errors.LayoutDirty):
+        record.commit("A", {2: record.physical_to_logical_map()[2]}, slots.fingerprints)
+    assert record.version == 0
+    assert _kinds(ledger, record)[-3:] == ["content_dirty", "heal_refused", "commit_refused"]
+    _agree(ledger, record, "after a heal refused under a pending move")
+
+
+def test_a_reloading_engine_can_neither_commit_nor_abort_its_move_before_the_reload_ends(
+    tmp_path,
+):
+    ledger = open_ledger(tmp_path / "l.sqlite")
+    record, slots = _start(ledger)
+    record.attach("E")
+    new_map = _new_map(record)
+    blocked = BlockedSlots(slots)
+    reloading = threading.Thread(
+        target=record.reload,
+        args=("E",),
+        kwargs={
+            "base_version": 0,
+            "version": 4,
+            "digest": layout_digest(new_map),
+            "physical_to_logical_map": new_map,
+            "reloader": blocked,
+        },
+        daemon=True,
+    )
+    reloading.start()
+    assert blocked.entered.wait(10)
+    kind, state = _within(2, record.state)
+    assert kind == "ok" and state.pending is not None and state.pending.engine_id == "E"
+    for verb, call in (
+        ("commit", lambda: record.commit("E", {2: new_map[2], 5: new_map[5]}, slots.fingerprints)),
+        ("abort", lambda: record.abort("E")),
+    ):
+        kind, refused = _within(2, call)
+        assert kind == "raised" and str(refused) == (
+            "a reload for engine 'E' of layers [2, 5] from the checkpoint is running; its move "
+            f"ends with the reload's reply, not with expert_layout_{verb}"
+        )
+    blocked.release.set()
+    reloading.join(10)
+    assert (record.version, record.pending, record.dirty) == (4, None, None)
+    assert _kinds(ledger, record)[-4:] == ["begin", "commit_refused", "abort_refused", "reload"]
+    _agree(ledger, record, "after a reload that blocked")
+
+
+def _content_marked(service, slots: Slots) -> None:
+    """A slot of layer 0 changes without a commit; a content check marks the daemon dirty."""
+    slots.zero(0, 3)
+    reply = service.handle({"type": "expert_layout_content_check"})
+    assert reply["status"] == "ok" and reply["content"]["dirty"], reply
+
+
+def test_auto_heal_of_a_content_mark_waits_after_a_non_following_fetch(tmp_path):
+    """An engine that does not follow the layout fetched the weights, and the daemon cannot tell
+    when it exits: it may be routing with the slots, so a content mark is not healed by itself
+    (the same daemon without that fetch heals at once)."""
+    from layout_ledger.wire.healing import HEAL_AUTO, Healing
+    from layout_ledger.wire.service import LayoutService
+
+    outcomes = []
+    for fetched in (False, True):
+        ledger = open_ledger(tmp_path / f"l{int(fetched)}.sqlite")
+        record, slots = _start(ledger)
+        healing = Healing(HEAL_AUTO, CheckpointSlots(slots))
+        service = LayoutService(record, slots, healing)
+        if fetched:
+            assert service.check_fetch({"type": "fetch_state"}) is None  # served, non-following
+            assert record.non_following_fetch
+        _content_marked(service, slots)
+        healing.wait(10)
+        outcomes.append((record.dirty is not None, _kinds(ledger, record)[-1]))
+        ledger.close()
+    assert outcomes == [(False, "heal"), (True, "content_dirty")]

@@ -28,6 +28,7 @@ VIEWS = {
     "ledger_layout_history",
     "ledger_attachments",
     "ledger_slot_fingerprints",
+    "ledger_checkpoints",
 }
 
 

@@ -8,11 +8,16 @@ world group and install the restored map before the loader runs, so every slot h
 checkpoint expert the restored map names (judged byte for byte against the checkpoint), both
 start at the committed version with its digest, and each slot was checked against its ledger.
 A start with ``--expert-layout-restore initial`` loads sglang's initial layout at version 0.
-The module starts the group three times, one after the other.
+Then the checkpoint's files are replaced by another checkpoint of the same geometry (``checkpoint
+write --seed 8`` where the group loaded ``--seed 7``: fine-tuned weights deployed in place): the
+restarted group keeps the placement and starts clean at the restored version, with a
+``checkpoint_changed`` event, every slot right against the new weights, and a restart on the same
+files comes up the same (issue 40). The module starts the group five times, one after the other.
 """
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,22 +53,56 @@ class Starts:
     judged: int  # slots holding the expert the restored map names, both ranks
     initial: list[dict[str, Any]]  # each rank's layout after a start with `initial`
     logs: list[str]  # the restarted daemons' logs
-    changed: list[dict[str, Any]]  # each rank's layout after a restart on changed weights
+    # Each restart on the new checkpoint's files (seed 8): each rank's layout, its events, how
+    # many of its slots hold the new checkpoint's expert its map names.
+    changed: list[list[dict[str, Any]]]
+    changed_events: list[list[list[tuple[str, str]]]]
+    changed_judged: list[int]
 
 
-def _change_one_expert(checkpoint: Path, layer: int, expert: int) -> None:
-    """Expert ``expert`` of ``layer`` gets other weights of the same shape, in the same shard:
-    the config and the index stay as they were (so does the checkpoint's identity)."""
-    from safetensors.torch import load_file, save_file
+def _deploy_other_weights(checkpoint: Path, seed: int) -> None:
+    """Another checkpoint of the same geometry (``checkpoint write --seed``) replaces the files
+    in place, each by a rename (a new file, as a deploy writes it): the config and the index
+    are the same bytes, every weight differs."""
+    fresh = write_checkpoint(
+        checkpoint.parent / f"seed{seed}",
+        CheckpointSpec(model="qwen3_moe", dtype="bf16", seed=seed),
+    )
+    for name in ("config.json", "model.safetensors.index.json"):
+        assert (fresh / name).read_bytes() == (checkpoint / name).read_bytes()
+    for shard in sorted(fresh.glob("*.safetensors")):
+        shard.replace(checkpoint / shard.name)
 
-    prefix = f"model.layers.{layer}.mlp.experts.{expert}."
-    for shard in sorted(checkpoint.glob("*.safetensors")):
-        tensors = load_file(str(shard))
-        if any(name.startswith(prefix) for name in tensors):
-            for name in tensors:
-                if name.startswith(prefix):
-                    tensors[name] = tensors[name].flip(0).contiguous()
-            save_file(tensors, str(shard), metadata={"format": "pt"})
+
+def _events(run: Path, rank: int) -> list[tuple[str, str]]:
+    """(kind, reason) of the latest incarnation's events, in order."""
+    with sqlite3.connect(f"file:{run / f'rank{rank}.sqlite'}?mode=ro", uri=True) as db:
+        rows = db.execute(
+            "SELECT kind, coalesce(reason, '') FROM events WHERE incarnation_id = "
+            "(SELECT max(incarnation_id) FROM incarnations) ORDER BY event_id"
+        ).fetchall()
+    return [(str(kind), str(reason)) for kind, reason in rows]
+
+
+def _identities(run: Path, rank: int) -> list[str]:
+    with sqlite3.connect(f"file:{run / f'rank{rank}.sqlite'}?mode=ro", uri=True) as db:
+        rows = db.execute(
+            "SELECT checkpoint_digest FROM incarnations ORDER BY incarnation_id"
+        ).fetchall()
+    return [str(identity) for (identity,) in rows]
+
+
+def _judged(group: ModelDaemonGroup, checkpoint: Path, layouts: list[dict[str, Any]]) -> int:
+    """Slots of both ranks holding, byte for byte, the checkpoint expert their map names."""
+    experts = CheckpointExperts(checkpoint)
+    judged = 0
+    for rank in range(RANKS):
+        routed = attach_routed_weights(group.socket(rank))
+        held = experts.judge_routed(
+            routed.routed_experts_weights_of_layer, routed.names, NUM_EXPERTS
+        )
+        judged += count_matching(held, layouts[rank]["physical_to_logical_map"], rank * LOCAL)
+    return judged
 
 
 def _layouts(group: ModelDaemonGroup) -> list[dict[str, Any]]:
@@ -104,7 +143,7 @@ def _start(checkpoint: Path, run: Path, *flags: str) -> ModelDaemonGroup:
 def starts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Starts]:
     root = tmp_path_factory.mktemp("restore")
     checkpoint = write_checkpoint(
-        root / "checkpoint", CheckpointSpec(model="qwen3_moe", dtype="bf16", seed=5)
+        root / "checkpoint", CheckpointSpec(model="qwen3_moe", dtype="bf16", seed=7)
     )
     run = root / "run"
     first = _start(checkpoint, run)
@@ -118,14 +157,7 @@ def starts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Starts]:
     second = _start(checkpoint, run)
     try:
         restored = _layouts(second)
-        experts = CheckpointExperts(checkpoint)
-        judged = 0
-        for rank in range(RANKS):
-            routed = attach_routed_weights(second.socket(rank))
-            held = experts.judge_routed(
-                routed.routed_experts_weights_of_layer, routed.names, NUM_EXPERTS
-            )
-            judged += count_matching(held, restored[rank]["physical_to_logical_map"], rank * LOCAL)
+        judged = _judged(second, checkpoint, restored)
         logs = [second.log(rank) for rank in range(RANKS)]
     finally:
         assert second.stop() == [0, 0]
@@ -137,13 +169,28 @@ def starts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Starts]:
     finally:
         assert third.stop() == [0, 0]
 
-    _change_one_expert(checkpoint, layer=2, expert=3)
-    fourth = _start(checkpoint, run)
-    try:
-        changed = _layouts(fourth)
-    finally:
-        fourth.stop()
-    yield Starts(checkpoint, run, restored, judged, initial, logs, changed)
+    _deploy_other_weights(checkpoint, seed=8)
+    changed, changed_events, changed_judged = [], [], []
+    for _ in range(2):  # the restart on the new weights, then a plain restart on them
+        again = _start(checkpoint, run)
+        try:
+            layouts = _layouts(again)
+            changed.append(layouts)
+            changed_events.append([_events(run, rank) for rank in range(RANKS)])
+            changed_judged.append(_judged(again, checkpoint, layouts))
+        finally:
+            assert again.stop() == [0, 0]
+    yield Starts(
+        checkpoint,
+        run,
+        restored,
+        judged,
+        initial,
+        logs,
+        changed,
+        changed_events,
+        changed_judged,
+    )
 
 
 def test_both_daemons_restart_at_the_committed_version_with_its_digest(starts: Starts) -> None:
@@ -177,15 +224,38 @@ def test_verify_is_clean_over_the_restored_incarnation(starts: Starts) -> None:
         assert report.first_inconsistency is None
 
 
-def test_a_slot_whose_bytes_are_not_what_the_ledger_recorded_makes_the_restored_daemon_dirty(
+def test_a_restart_on_new_weights_of_the_same_geometry_keeps_the_placement_and_starts_clean(
     starts: Starts,
 ) -> None:
-    # layer 2's expert 3 changed in the checkpoint under the same config and index: its slots
-    # (3 on rank 0, 11 on rank 1, sglang's trivial layout) are named and both daemons are dirty
-    for rank, slot in ((0, 3), (1, 11)):
-        layout = starts.changed[rank]
-        assert (layout["version"], layout["dirty"]) == (1, True)
-        assert layout["restored_from"]["version"] == 1
-        reason = layout["dirty_reason"]
-        assert reason.startswith("the weights loaded into the restored version 1 of incarnation 3")
-        assert f"layer 2: slot {slot} holds unknown content, not expert 3" in reason
+    """Seed 7 committed version 1 (incarnation 3); restarted on seed 8, the group restores
+    version 1 with its digest, loads seed 8 into it and is clean: every slot holds seed 8's
+    expert the map names, and a ``checkpoint_changed`` event names both identities."""
+    digest = layout_digest(MOVED)
+    layouts, events = starts.changed[0], starts.changed_events[0]
+    for rank in range(RANKS):
+        layout = layouts[rank]
+        assert (layout["version"], layout["digest"], layout["dirty"]) == (1, digest, False)
+        assert layout["restored_from"] == {"incarnation": 3, "version": 1, "digest": digest}
+        old, new = _identities(starts.run, rank)[2:4]
+        assert old != new
+        assert [kind for kind, _ in events[rank]] == ["start", "restore", "checkpoint_changed"]
+        assert events[rank][2][1] == (
+            f"the checkpoint changed: identity {old} (incarnation 3) -> {new}; the restored "
+            f"layout keeps its version and digest, its load becomes that checkpoint's baseline"
+        )
+    assert starts.changed_judged[0] == NUM_LAYERS * SLOTS
+
+
+def test_every_restart_on_the_same_new_weights_gives_the_same_clean_verdict(
+    starts: Starts,
+) -> None:
+    """The next restart on seed 8 is judged against the seed-8 load before it: clean, every
+    slot right, no checkpoint change."""
+    digest = layout_digest(MOVED)
+    for rank in range(RANKS):
+        layout = starts.changed[1][rank]
+        assert layout["dirty"] == starts.changed[0][rank]["dirty"]  # the same verdict
+        assert (layout["version"], layout["digest"], layout["dirty"]) == (1, digest, False)
+        assert [kind for kind, _ in starts.changed_events[1][rank]] == ["start", "restore"]
+        assert len(set(_identities(starts.run, rank)[3:5])) == 1
+    assert starts.changed_judged[1] == NUM_LAYERS * SLOTS

@@ -172,11 +172,10 @@ def test_a_killed_restored_incarnation_is_replayed_and_ended_at_the_next_start(
     ("fields", "geometry", "checkpoint", "reason"),
     [
         ({}, Geometry(8, 16, 8), CHECKPOINT, "incarnation 1 has another geometry (8 layers x 12"),
-        ({}, SMALL, "d" * 64, "incarnation 1 loaded another checkpoint (identity cccccccccccc"),
         ({"checkpoint_digest": None}, SMALL, CHECKPOINT, "recorded no checkpoint identity"),
     ],
 )
-def test_another_geometry_or_checkpoint_or_an_incarnation_from_before_restores_offers_nothing(
+def test_another_geometry_or_an_incarnation_from_before_restores_offers_nothing(
     tmp_path: Path, fields: dict[str, object], geometry: Geometry, checkpoint: str, reason: str
 ) -> None:
     path = tmp_path / "l.sqlite"
@@ -184,6 +183,18 @@ def test_another_geometry_or_checkpoint_or_an_incarnation_from_before_restores_o
     offer = offered(path, geometry, checkpoint)
     assert isinstance(offer, NoOffer)
     assert reason in offer.reason
+
+
+def test_a_new_checkpoint_of_the_same_geometry_is_offered_the_placement_naming_the_old_one(
+    tmp_path: Path,
+) -> None:
+    """Issue 40, 3: the placement is valid for any weights of the same geometry; the offer names
+    the identity its incarnation loaded, so the daemon can tell a new checkpoint."""
+    path = tmp_path / "l.sqlite"
+    first = moved_ledger(path)
+    offer = offered(path, SMALL, "d" * 64)
+    assert isinstance(offer, RestoreOffer)
+    assert (offer.version, offer.digest, offer.checkpoint_digest) == (2, first.digest, CHECKPOINT)
 
 
 def test_an_empty_ledger_offers_nothing(tmp_path: Path) -> None:
@@ -330,3 +341,98 @@ def test_a_downgrade_refuses_a_ledger_holding_a_restored_incarnation(tmp_path: P
     with pytest.raises(SchemaDowngradeRefused, match="holds 1 restored incarnations"):
         _migrate(path, command.downgrade, "0007_fingerprint_digests")
     assert verified(path) == []
+
+
+def _restored_start(
+    ledger: Ledger, held: dict[int, tuple[str, ...]], verdict: str | None = None
+) -> LayoutRecord:
+    """A restored start of the newest offered version, its slots holding ``held``; its load's
+    ``verdict`` in the start's transaction: None (clean), ``"dirty"`` (a slot read wrong) or
+    ``"changed"`` (another checkpoint)."""
+    from layout_ledger.core.content import LocalFingerprints
+
+    offer = ledger.restore_offer(SMALL, CHECKPOINT)
+    assert isinstance(offer, RestoreOffer)
+    restored = RestoredFrom(offer.incarnation, offer.version, offer.digest)
+
+    def after(record: LayoutRecord) -> None:
+        if verdict == "dirty":
+            record.mark_content_dirty([0], "layer 0: slot 2 holds expert 2, not expert 3")
+        elif verdict == "changed":
+            record.note_checkpoint_changed("the checkpoint changed: identity c -> d")
+
+    return start(
+        ledger,
+        offer.physical_to_logical_map,
+        restored_from=restored,
+        content=LocalFingerprints(0, held),
+        after_start=after,
+    )
+
+
+def _content_ledger(path: Path, verdicts: list[str | None]) -> list[str]:
+    """Incarnation 1 commits version 1 (its slots fingerprinted); each next one restores it
+    with the load's verdict given, its slots holding other bytes (seed 8's, or a bad read's)
+    whenever the verdict or the old code's bug would have it. ``verify``'s inconsistencies."""
+    from content_support import Slots
+
+    ledger = open_ledger(path)
+    slots = Slots(INITIAL, 0, SMALL.num_physical_slots)
+    record = start(ledger, content=slots.fingerprints())
+    record.attach("engine-a")
+    record.begin("engine-a", 0, [0])
+    row = list(INITIAL[0])
+    row[0], row[1] = row[1], row[0]
+    slots.fill(0, row)
+    record.commit("engine-a", {0: row}, slots.fingerprints)
+    ledger.close()
+    other = {
+        layer: tuple(f"{layer:02d}{slot:02d}" + "e" * 60 for slot, _ in enumerate(held))
+        for layer, held in slots.held_tuples().items()
+    }
+    for verdict in verdicts:
+        ledger = open_ledger(path)
+        _restored_start(
+            ledger,
+            other if verdict != "same" else slots.held_tuples(),
+            None if verdict in ("same", "trusted") else verdict,
+        )
+        ledger.close()
+    return verified(path)
+
+
+def test_verify_names_a_version_whose_contents_differ_across_incarnations_without_a_change(
+    tmp_path: Path,
+) -> None:
+    """Issue 40, 4: the ledger today's main left after seed 7, then two restarts on seed 8 (the
+    first dirty from its load, the second trusting its record: clean): version 1 names one
+    digest with two contents, and verify says so."""
+    found = _content_ledger(tmp_path / "l.sqlite", ["dirty", "trusted"])
+    assert found == [
+        "incarnation 3 contents: version 1 (digest "
+        f"{layout_digest([[1, 0, *INITIAL[0][2:]], *INITIAL[1:]])[:12]}) holds other contents "
+        f"than in incarnation 1 (layer 0 slot 0: 0000eeeeeeee here, "
+        f"{_fingerprint_of(0, 1)[:12]} there) without a checkpoint_changed between them: a "
+        f"record of a load that went wrong was trusted"
+    ]
+
+
+def test_verify_accepts_contents_that_changed_with_a_checkpoint_changed_between_them(
+    tmp_path: Path,
+) -> None:
+    assert _content_ledger(tmp_path / "l.sqlite", ["changed", "trusted"]) == []
+    # the second restart on the new bytes is compared with the first, never with incarnation 1
+    # (a checkpoint_changed lies between them)
+    with LedgerReader(tmp_path / "l.sqlite") as reader:
+        report = collect_verify(reader)
+    details = {r.incarnation_id: r.detail for r in report.checks if r.check == "contents"}
+    assert details[2] == "version 1: no earlier clean incarnation of the same checkpoint holds it"
+    assert details[3] == (
+        "version 1's contents are those incarnations [2] recorded for it (same checkpoint)"
+    )
+
+
+def _fingerprint_of(layer: int, expert: int) -> str:
+    from content_support import expert_fingerprint
+
+    return expert_fingerprint(layer, expert)

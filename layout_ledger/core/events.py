@@ -14,6 +14,12 @@ START = "start"  # a daemon incarnation began (its first version recorded: 0, or
 # Right after a start: the incarnation loaded its weights into an earlier incarnation's newest
 # committed version (``state.RestoredFrom``) and starts at that version's number and digest.
 RESTORE = "restore"
+# Right after a restore (same transaction): the restored version's weights come from another
+# checkpoint than the one this ledger's latest incarnation loaded (its reason names both
+# identities); the slots are judged against that checkpoint's clean baseline, or, without one,
+# by a first load's checks, and the loaded fingerprints become its new baseline. A version
+# keeps its number and digest across it (they name the map, never the weights).
+CHECKPOINT_CHANGED = "checkpoint_changed"
 END = "end"  # the incarnation ended (clean shutdown, or found unended at the next start)
 ATTACH = "attach"
 DETACH = "detach"
@@ -75,6 +81,7 @@ ALL_KINDS: tuple[str, ...] = (
     START,
     END,
     RESTORE,
+    CHECKPOINT_CHANGED,
     ATTACH,
     DETACH,
     BEGIN,

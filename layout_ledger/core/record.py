@@ -6,7 +6,8 @@ request with ``rules`` (the engine id first), hands the events of the change to 
 and only then changes its state in memory; a refused request appends its one refusal event
 (``<verb>_refused`` or ``begin_busy``) and raises. A journal that cannot append changes nothing
 in memory either, so memory and file agree, and the lock lets the daemon's serve loop and its
-attach watcher thread share one record.
+attach watcher thread share one record. A heal and a reload leave the lock while they read the
+checkpoint and write slots (``reloading``), so a file that blocks holds no request.
 A repair records the layout an engine's unfinished move left, only when every fingerprint it
 names is what the daemon's own slots show now (``rules.check_repair``).
 """
@@ -52,6 +53,7 @@ from layout_ledger.core.state import (
     DirtyMark,
     LayoutState,
     PendingMove,
+    Reloading,
     RestoredFrom,
     utc_now,
 )
@@ -160,6 +162,9 @@ class LayoutRecord:
         self._leases: set[str] = set()  # standbys that hold a lease now
         self.non_following_fetch = False
         self.cordon: Cordon | None = None  # an operator's: begins are busy while it lasts
+        # A heal or reload writing slots from the checkpoint now, outside the lock (its read may
+        # take as long as --expert-layout-heal-timeout): the rules refuse what could race it.
+        self.reloading: Reloading | None = None
         self.end_state: str | None = None
         # Counts every change of the version or the pending move (begin, commit, abort, a
         # mover's detach, repair): a content check compares fingerprints read while it stood
@@ -218,6 +223,7 @@ class LayoutRecord:
                 standbys=tuple(e for e in self._attached if e in self._standbys),
                 leases=tuple(e for e in self._attached if e in self._leases),
                 restored_from=self.restored_from,
+                reloading=self.reloading,
             )
 
     def physical_to_logical_map(self) -> Map:
@@ -251,6 +257,25 @@ class LayoutRecord:
             )
             self.journal.append(
                 [started, *_restore_events(self.restored_from, at)], rows, self.content
+            )
+
+    def note_checkpoint_changed(self, reason: str) -> None:
+        """Right after a restored start: its weights come from another checkpoint than the
+        ledger's latest incarnation loaded (``checkpoint_changed``, ``CheckpointChange.describe``
+        as the reason); nothing else changes."""
+        with self._lock:
+            if self.restored_from is None:
+                raise LedgerError("a checkpoint change is recorded only by a restored start")
+            self.journal.append(
+                [
+                    ev.Event(
+                        at=self._clock(),
+                        kind=ev.CHECKPOINT_CHANGED,
+                        new_version=self.version,
+                        digest_after=self.digest,
+                        reason=ev.clip(reason),
+                    )
+                ]
             )
 
     def attach(self, engine_id: Any, role: Any = None) -> str:
@@ -602,7 +627,8 @@ class LayoutRecord:
         if self.dirty is not None and self.dirty.move is not None:
             skip |= set(self.dirty.move.layers)
         changed = changed_slots(recorded, current, skip)
-        if changed and self.dirty is None:
+        # During a reload its slots are being written; the reload checks them itself.
+        if changed and self.dirty is None and self.reloading is None:
             the_map = self.physical_to_logical_map()
             self.mark_content_dirty(
                 sorted(changed),
@@ -736,12 +762,24 @@ class LayoutRecord:
                 self.journal.append([_move_event(ev.BEGIN, move, str(move.since))])
                 self.pending = move
                 self._moves_seen += 1
-            report = None
-            try:
-                if slots:
-                    report = reloader(new_map, slots)
-            except Exception as exc:
-                self._reload_failed(move, sorted(slots), version, exc)
+            self.reloading = Reloading(ev.RELOAD, tuple(sorted(slots)), valid_id)
+        # The read and the writes run outside the lock: queries, fetches (refused: a move is
+        # pending) and the attach watcher go on while a file blocks, up to the read deadline.
+        report = None
+        failure: Exception | None = None
+        try:
+            if slots:
+                report = reloader(new_map, slots)
+        except Exception as exc:
+            failure = exc
+        except BaseException:  # a kill: the move stays pending, so the daemon ends dirty
+            self._reloading_ended()
+            raise
+        with self._lock:
+            self.reloading = None
+            self._after_reload(move, layers, version)
+            if failure is not None:
+                self._reload_failed(move, sorted(slots), version, failure)
             found = None
             if layers:
                 fresh = {} if report is None else dict(report.fingerprints.layers)
@@ -768,6 +806,22 @@ class LayoutRecord:
             if found is not None:
                 self._check_committed_content(found, verb="reload")
             return result[0], result[1], report
+
+    def _reloading_ended(self) -> None:
+        with self._lock:
+            self.reloading = None
+
+    def _after_reload(self, move: PendingMove, layers: Sequence[int], version: Any) -> None:
+        """Back under the lock after a reload's writes: the incarnation must still be live and
+        the move still the reload's (its engine may have detached meanwhile: dirty then)."""
+        if self.end_state is not None:
+            raise ReloadFailed("the daemon ended during the reload; it was not recorded")
+        if layers and self.pending is not move:
+            raise ReloadFailed(
+                f"engine {move.engine_id!r} detached during its reload to version {version}, "
+                f"which was not recorded: "
+                + (self.dirty.reason if self.dirty is not None else "the move ended")
+            )
 
     def _reload_failed(
         self, move: PendingMove, layers: Sequence[int], version: Any, exc: Exception
@@ -821,7 +875,10 @@ class LayoutRecord:
         what the record names. Otherwise a ``heal_failed`` event names why and ``HealFailed``
         is raised; a heal that cannot run now is refused (``heal_refused``).
 
-        A kill during it leaves the daemon dirty (the mark is cleared only with the event)."""
+        The checkpoint is read and the slots written outside the lock (``reloading`` says so,
+        and the rules refuse a repair, a second heal, or a reload meanwhile), so a file that
+        blocks holds no request of the daemon. A kill during it leaves the daemon dirty (the
+        mark is cleared only with the event)."""
         with self._lock:
             recorded = self.content
             try:
@@ -835,10 +892,27 @@ class LayoutRecord:
             layers = tuple(layer for layer in layers if layer in recorded.layers)
             the_map = self.physical_to_logical_map()
             slots = all_local_slots(layers, recorded.first_slot, rules.local_slot_count(recorded))
-            try:
-                report = reloader(the_map, slots)
-            except Exception as exc:
-                self._heal_failed(layers, f"the checkpoint could not be reloaded: {exc}")
+            mark = self.dirty
+            self.reloading = Reloading(ev.HEAL, layers)
+        report: ReloadReport | None = None
+        failure: Exception | None = None
+        try:
+            report = reloader(the_map, slots)
+        except Exception as exc:
+            failure = exc
+        except BaseException:  # a kill: the mark stays, so the daemon ends dirty
+            self._reloading_ended()
+            raise
+        with self._lock:
+            self.reloading = None
+            if self.end_state is not None:
+                raise HealFailed(
+                    "the daemon ended during the heal; it stays dirty in the ledger (restart it)"
+                )
+            if self.dirty is not mark:  # the rules refuse every change of it meanwhile
+                raise LedgerError("the dirty mark changed during the heal; it was not recorded")
+            if failure is not None or report is None:
+                self._heal_failed(layers, f"the checkpoint could not be reloaded: {failure}")
             found = report.fingerprints.only(layers)
             differ = changed_slots(recorded.only(layers), found)
             problems = rules.committed_content_problems(the_map, found, self.known)

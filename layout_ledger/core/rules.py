@@ -47,6 +47,7 @@ from layout_ledger.core.state import (
     Cordon,
     DirtyMark,
     PendingMove,
+    Reloading,
 )
 
 MAX_ENGINE_ID = 256
@@ -84,6 +85,8 @@ class StateView(Protocol):
     def standbys(self) -> Collection[str]: ...
     @property
     def leases(self) -> Collection[str]: ...
+    @property
+    def reloading(self) -> Reloading | None: ...
 
 
 def check_engine_id(engine_id: Any) -> str:
@@ -275,6 +278,11 @@ def check_heal(state: StateView, cannot_heal: str | None) -> tuple[int, ...]:
         raise errors.HealRefused(
             "this daemon's expert layout is known (it is not dirty); there is nothing to heal"
         )
+    if state.reloading is not None:
+        raise errors.HealRefused(
+            f"{state.reloading.describe()} now; wait for its end (a heal or heal_failed event, "
+            f"or the reload's reply)"
+        )
     if state.pending is not None:
         raise errors.HealRefused(
             f"engine {state.pending.engine_id!r} has a move pending; abort it before a heal"
@@ -413,12 +421,26 @@ def check_recorded_commit(state: StateView, engine_id: str, layers: Any) -> Pend
 def _committer(state: StateView, engine_id: str) -> PendingMove:
     if state.dirty is not None:
         raise errors.LayoutDirty(f"this daemon's expert layout is unknown: {state.dirty.reason}")
-    return _own_pending(state, engine_id, "commit")
+    pending = _own_pending(state, engine_id, "commit")
+    _not_reloading(state, "commit")
+    return pending
 
 
 def check_abort(state: StateView, engine_id: str) -> PendingMove:
-    """The engine's own pending move, which an abort ends."""
-    return _own_pending(state, engine_id, "abort")
+    """The engine's own pending move, which an abort ends (not while its reload runs)."""
+    pending = _own_pending(state, engine_id, "abort")
+    _not_reloading(state, "abort")
+    return pending
+
+
+def _not_reloading(state: StateView, verb: str) -> None:
+    """A reload's pending move ends with the reload's own reply, never by a commit or abort."""
+    reloading = state.reloading
+    if reloading is not None:
+        raise errors.NoPendingMove(
+            f"{reloading.describe()}; its move ends with the reload's reply, not with "
+            f"expert_layout_{verb}"
+        )
 
 
 @dataclass(frozen=True)
@@ -667,6 +689,10 @@ def _repairable(state: StateView, engine_id: str) -> PendingMove:
     if engine_id not in state.attached:
         raise errors.EngineNotAttached(
             f"engine {engine_id!r} is not attached; attach before repairing the layout"
+        )
+    if state.reloading is not None:
+        raise errors.NotRepairable(
+            f"{state.reloading.describe()}: its slots are being rewritten; repair once it ends"
         )
     dirty = state.dirty
     if dirty is None:

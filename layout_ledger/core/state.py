@@ -34,6 +34,21 @@ class PendingMove:
     since: str | None = None
 
 
+@dataclass(frozen=True)
+class Reloading:
+    """A reload from the checkpoint writing local slots now (``LayoutRecord.heal``, ``.reload``):
+    ``kind`` is ``heal`` or ``reload``, ``engine_id`` the reloading engine's (None for a heal).
+    The record's lock is not held while it reads, so the rules refuse what could race it."""
+
+    kind: str
+    layers: tuple[int, ...]
+    engine_id: str | None = None
+
+    def describe(self) -> str:
+        by = "" if self.engine_id is None else f" for engine {self.engine_id!r}"
+        return f"a {self.kind}{by} of layers {list(self.layers)} from the checkpoint is running"
+
+
 def dirty_reason_for(move: PendingMove) -> str:
     """The one wording of why a daemon is dirty, used in the ledger and in every refusal."""
     return (
@@ -122,6 +137,32 @@ class RestoredFrom:
         return {"incarnation": self.incarnation, "version": self.version, "digest": self.digest}
 
 
+@dataclass(frozen=True)
+class CheckpointChange:
+    """A restored incarnation loads another checkpoint than its ledger's ``incarnation`` did:
+    identity ``old`` there, ``new`` now (``checkpoint_changed``). ``baseline``: the incarnation
+    whose clean load of ``new`` its slots are judged against (None: none, its own load becomes
+    the new baseline)."""
+
+    old: str
+    incarnation: int
+    new: str
+    baseline: int | None = None
+
+    def describe(self) -> str:
+        """The ``checkpoint_changed`` event's reason: both identities, and what the slots were
+        judged against."""
+        against = (
+            "its load becomes that checkpoint's baseline"
+            if self.baseline is None
+            else f"its slots are judged against incarnation {self.baseline}'s clean load of it"
+        )
+        return (
+            f"the checkpoint changed: identity {self.old} (incarnation {self.incarnation}) -> "
+            f"{self.new}; the restored layout keeps its version and digest, {against}"
+        )
+
+
 # An attached engine's role (``expert_layout_attach``'s optional ``role``): an ``active`` engine
 # serves and always holds an active lease; a ``standby`` holds one only while it serves (from an
 # ``expert_layout_lease`` to its ``expert_layout_release`` or its detach). The one-mover rule
@@ -152,6 +193,9 @@ class LayoutState:
     # The committed version this incarnation restored at its start (None: it started at
     # version 0 in sglang's initial layout).
     restored_from: RestoredFrom | None = None
+    # A heal or reload writing slots from the checkpoint now (live records only; a replay
+    # never sees one: it ends in the same event that records it).
+    reloading: Reloading | None = None
 
     def role_of(self, engine_id: str) -> str:
         """An attached engine's role."""

@@ -15,15 +15,18 @@ from typing import ClassVar
 
 from sqlalchemy import Connection, text
 
+from layout_ledger.core import events as ev
 from layout_ledger.core.content import is_fingerprint
-from layout_ledger.core.errors import DamagedRow
+from layout_ledger.core.errors import DamagedRow, LedgerError
 from layout_ledger.core.layout import layout_digest
 from layout_ledger.history.reader import LedgerReader
 from layout_ledger.store import chain
+from layout_ledger.store.baseline import load_was_dirty
 from layout_ledger.store.migrate import file_revision
 from layout_ledger.store.replay import ReplayMismatch, StoredEvents, replay_incarnation
 from layout_ledger.store.rows import (
     Incarnation,
+    fingerprints_at,
     incarnation,
     incarnation_rows,
 )
@@ -313,6 +316,73 @@ def _check_fingerprints(conn: Connection, inc: Incarnation) -> str:
     return f"{len(prints)} slot fingerprint rows well formed; {checked} version digests match"
 
 
+def _check_contents(conn: Connection, inc: Incarnation) -> str:
+    """A version restored from this ledger holds the contents it held before, unless the
+    checkpoint changed: the fingerprints a clean restored load recorded at the version it
+    restored equal, slot by slot, those of every earlier clean incarnation that recorded that
+    version (number and digest) without a ``checkpoint_changed`` between the two. Loads that
+    went wrong (``store.baseline.load_was_dirty``) are no one's evidence, and are skipped."""
+    restored = inc.restored_from
+    if restored is None or restored.source is not None:
+        return "not restored from this ledger"
+    if load_was_dirty(conn, inc.incarnation_id):
+        return "its load was dirty, so its fingerprints are compared with none"
+    version, digest = restored.version, restored.digest
+    try:
+        mine = fingerprints_at(conn, inc, version)
+    except LedgerError:
+        return f"version {version}'s fingerprints are not all held"
+    if mine is None:
+        return "no slot fingerprints recorded"
+    changes = {
+        int(i)
+        for (i,) in conn.execute(
+            text("SELECT DISTINCT incarnation_id FROM events WHERE kind = :k"),
+            {"k": ev.CHECKPOINT_CHANGED},
+        )
+    }
+    earlier = [
+        int(i)
+        for (i,) in conn.execute(
+            text(
+                "SELECT incarnation_id FROM versions WHERE version = :v AND digest = :d "
+                "AND incarnation_id < :i ORDER BY incarnation_id"
+            ),
+            {"v": version, "d": digest, "i": inc.incarnation_id},
+        )
+    ]
+    compared = []
+    for other in earlier:
+        if any(other < changed <= inc.incarnation_id for changed in changes):
+            continue
+        if load_was_dirty(conn, other):
+            continue
+        try:
+            theirs = fingerprints_at(conn, incarnation(conn, other), version)
+        except LedgerError:
+            continue  # pruned or damaged rows: the other checks name them
+        if theirs is None:
+            continue
+        for layer in sorted(set(mine.layers) & set(theirs.layers)):
+            ours = dict(enumerate(mine.layers[layer], mine.first_slot))
+            held = dict(enumerate(theirs.layers[layer], theirs.first_slot))
+            for slot in sorted(set(ours) & set(held)):
+                if ours[slot] != held[slot]:
+                    raise Inconsistent(
+                        f"version {version} (digest {digest[:12]}) holds other contents than in "
+                        f"incarnation {other} (layer {layer} slot {slot}: {ours[slot][:12]} here, "
+                        f"{held[slot][:12]} there) without a checkpoint_changed between them: a "
+                        f"record of a load that went wrong was trusted"
+                    )
+        compared.append(other)
+    if not compared:
+        return f"version {version}: no earlier clean incarnation of the same checkpoint holds it"
+    return (
+        f"version {version}'s contents are those incarnations {compared} recorded for it (same "
+        f"checkpoint)"
+    )
+
+
 def _layers_of(value: object, what: str) -> list[int]:
     try:
         parsed = json.loads(str(value))
@@ -328,6 +398,7 @@ _INCARNATION_CHECKS: tuple[tuple[str, Callable[[Connection, Incarnation], str]],
     ("digests", _check_digests),
     ("fingerprints", _check_fingerprints),
     ("events", _check_events),
+    ("contents", _check_contents),
 )
 
 
@@ -353,6 +424,9 @@ def collect_verify(
       then; no begin while dirty, after a non-following fetch or beside another engine; ...);
       after ``end`` only ``prune``; every version has a commit; and the incarnation row's end
       state is its events'.
+    - per incarnation, ``contents``: a clean restored load recorded, for the version it
+      restored, the fingerprints every earlier clean incarnation recorded for that version,
+      unless a ``checkpoint_changed`` lies between them.
     - last, ``chain``: every event's chain value recomputed from the one before it and its own
       fields, with its version's fingerprints digest for a start, commit or repair
       (``store.chain``), which also catches an edit that leaves a history the rules

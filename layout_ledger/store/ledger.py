@@ -18,7 +18,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from layout_ledger.core.layout import Geometry, Map, layout_digest, validate_map
 from layout_ledger.core.record import END_FOUND_UNENDED, LayoutRecord
 from layout_ledger.core.state import RestoredFrom, utc_now
 from layout_ledger.store import chain, maintenance
+from layout_ledger.store.baseline import Baseline, newest_baseline
 from layout_ledger.store.connections import open_reader_engine, open_writer
 from layout_ledger.store.event_writer import EventWriter
 from layout_ledger.store.maintenance import CheckpointResult, Maintenance
@@ -165,6 +166,13 @@ class Ledger:
         with self.transaction("reading the restore offer of") as conn:
             return newest_offer(conn, geometry, checkpoint_digest)
 
+    def restore_baseline(self, geometry: Geometry, identities: Collection[str]) -> Baseline | None:
+        """What a restored load of the checkpoint known by ``identities`` is checked against:
+        the fingerprints of this ledger's newest clean load of it (``baseline.newest_baseline``),
+        read before any incarnation starts."""
+        with self.transaction("reading the restore baseline of") as conn:
+            return newest_baseline(conn, identities, geometry)
+
     def start_incarnation(
         self,
         geometry: Geometry,
@@ -177,13 +185,17 @@ class Ledger:
         checkpoint_digest: str | None = None,
         restored_from: RestoredFrom | None = None,
         heal: str | None = None,
+        after_start: Callable[[LayoutRecord], None] | None = None,
     ) -> LayoutRecord:
         """Record a daemon start (with its slots' ``content``, if it records it) and return its
         record; ``origin`` says where the daemon runs (nothing recorded when None),
         ``checkpoint_digest`` what identifies the weights it loaded. It starts at version 0 with
         ``initial_map``, or, ``restored_from`` a committed version, at that version's number
         and digest, ``initial_map`` being that version's map (``restore_offer``). ``heal``:
-        whether it can heal itself (``auto``, ``off``, ``unavailable: REASON``; None: unknown)."""
+        whether it can heal itself (``auto``, ``off``, ``unavailable: REASON``; None: unknown).
+        ``after_start``: the load's verdict (a ``checkpoint_changed``, a ``content_dirty``),
+        appended in the start's own transaction, so no kill separates a start from it
+        (``baseline.load_was_dirty`` reads it)."""
         if self.record is not None:
             raise LedgerError(
                 f"incarnation {self.record.incarnation_id} is still live in this process; "
@@ -214,6 +226,8 @@ class Ledger:
                 restored_from=restored_from,
             )
             record.start(daemon_label, at)
+            if after_start is not None:
+                after_start(record)
         self.record = record
         self._prune_quietly()
         self._start_maintenance()

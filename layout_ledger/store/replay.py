@@ -150,6 +150,7 @@ class IncarnationReplay:
         self.journal.record = self.record
         self.started = False
         self.last_event_id = 0  # the newest event replayed (0: none yet)
+        self._previous: str | None = None  # the kind of the last event replayed
         self._versions: dict[int, tuple[str, list[int]]] = {}
 
     def advance(self, conn: Connection) -> list[StoredEvent]:
@@ -170,7 +171,14 @@ class IncarnationReplay:
                 self.journal.skip()  # bookkeeping of which rows are held, not a transition
                 continue
             _check_order(stored, self.started, self.record)
+            if kind == ev.CHECKPOINT_CHANGED and (
+                self._previous != ev.START or self.record.restored_from is None
+            ):
+                raise ReplayMismatch(
+                    f"{stored.where} does not follow the start of a restored incarnation"
+                )
             self.started = True
+            self._previous = kind
             _replay_one(self.record, stored, self._versions)
         self.last_event_id = new[-1].event_id
         return new
@@ -235,6 +243,8 @@ def _replay_one(
             record.heal_recorded(list(event.layers or ()), event.reason, kind == ev.HEAL_FAILED)
         elif kind == ev.CONTENT_DIRTY:
             _replay_content_dirty(record, stored)
+        elif kind == ev.CHECKPOINT_CHANGED:
+            record.note_checkpoint_changed(event.reason or "")
         elif kind == ev.ABORT:
             record.abort(engine)
         elif kind == ev.NON_FOLLOWING_FETCH:

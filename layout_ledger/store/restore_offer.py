@@ -3,7 +3,9 @@
 A daemon restoring its layout (``--expert-layout-restore last``) reads, before its weights
 load, the newest committed version of its ledger's earlier incarnations: the newest version of
 the latest incarnation. ``newest_offer`` offers it only when that incarnation was recorded for
-the same geometry and checkpoint (``checkpoint_digest``), and its rows verify:
+the same geometry, with a checkpoint identity, and its rows verify (a new checkpoint of the same
+geometry keeps the placement: the offer names the identity its incarnation loaded, and
+``store.baseline`` says what the new load is checked against):
 
 - the events' hash chain, recomputed over that incarnation's events (``chain.walk`` from its
   first event, on the value stored before it: ``verify`` walks the whole chain), does not
@@ -46,6 +48,7 @@ class RestoreOffer:
     digest: str
     physical_to_logical_map: Map
     recorded: LocalFingerprints | None  # the daemon's slot fingerprints at that version
+    checkpoint_digest: str | None = None  # the identity of the checkpoint that incarnation loaded
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,8 @@ def newest_offer(
     conn: Connection, geometry: Geometry, checkpoint_digest: str
 ) -> RestoreOffer | NoOffer:
     """The newest committed version the ledger offers a daemon loading ``checkpoint_digest``
-    in ``geometry`` (see the module docstring); ``LedgerInconsistent`` when rows do not
-    verify."""
+    in ``geometry`` (see the module docstring; the offer is the same whatever checkpoint it
+    loads); ``LedgerInconsistent`` when rows do not verify."""
     rows = incarnation_rows(conn)
     if not rows:
         return NoOffer("no earlier version (the ledger holds no incarnation)")
@@ -72,11 +75,6 @@ def newest_offer(
         return NoOffer(
             f"incarnation {i} recorded no checkpoint identity (written before restores, or by "
             f"a daemon that knows none)"
-        )
-    if latest.checkpoint_digest != checkpoint_digest:
-        return NoOffer(
-            f"incarnation {i} loaded another checkpoint (identity "
-            f"{latest.checkpoint_digest[:12]}, this daemon's {checkpoint_digest[:12]})"
         )
     if latest.geometry != geometry:
         return NoOffer(
@@ -123,7 +121,7 @@ def _verified_offer(conn: Connection, inc: Incarnation) -> RestoreOffer:
         raise
     except LedgerError as exc:
         raise LedgerInconsistent(f"incarnation {i}: {exc}") from exc
-    return RestoreOffer(i, version, digest, the_map, recorded)
+    return RestoreOffer(i, version, digest, the_map, recorded, inc.checkpoint_digest)
 
 
 def _row(text_: str) -> object:

@@ -28,7 +28,7 @@ from sqlalchemy import (
 # Mixed versions: a writer upgrades an older file to this revision when it opens it; a file at
 # a revision not in KNOWN_REVISIONS was written by newer code and is refused by every opener,
 # read-only ones included, because its tables may no longer mean what this code assumes.
-SCHEMA_HEAD = "0009_heals"
+SCHEMA_HEAD = "0010_checkpoint_changes"
 KNOWN_REVISIONS = (
     "0001_initial",
     "0002_forensic_views",
@@ -39,6 +39,7 @@ KNOWN_REVISIONS = (
     "0007_fingerprint_digests",
     "0008_restored_layouts",
     "0009_heals",
+    "0010_checkpoint_changes",
 )
 
 metadata = MetaData()

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 from layout_ledger.core.reloads import SlotReloader
 
+# Seconds a stopping daemon waits for its heal's thread once its reads were cancelled.
+STOP_WAIT = 10.0
+
 HEAL_AUTO = "auto"
 HEAL_OFF = "off"
 HEAL_MODES = (HEAL_AUTO, HEAL_OFF)
@@ -67,3 +70,12 @@ class Healing:
         running = self._thread
         if running is not None:
             running.join(timeout)
+
+    def stop(self, timeout: float = STOP_WAIT) -> None:
+        """The daemon stops: every checkpoint read ends now (the reloader's ``cancel``, when it
+        has one), so a heal or reload that waits on a blocked file fails at once and records
+        its end before the incarnation's; then wait for the heal of its own."""
+        cancel = getattr(self.reloader, "cancel", None)
+        if callable(cancel):
+            cancel()
+        self.wait(timeout)

@@ -273,15 +273,21 @@ class LayoutService:
     def _reload(self, record: LayoutRecord, request: Request) -> Reply:
         engine_id = request.get("engine_id")
         healing = self.healing
-        version, _, report = record.reload(
-            engine_id,
-            base_version=request.get("base_version"),
-            version=request.get("version"),
-            digest=request.get("digest"),
-            physical_to_logical_map=request.get("physical_to_logical_map"),
-            reloader=healing.reloader,
-            cannot_reload=healing.cannot_reload,
-        )
+        try:
+            version, _, report = record.reload(
+                engine_id,
+                base_version=request.get("base_version"),
+                version=request.get("version"),
+                digest=request.get("digest"),
+                physical_to_logical_map=request.get("physical_to_logical_map"),
+                reloader=healing.reloader,
+                cannot_reload=healing.cannot_reload,
+            )
+        finally:
+            # A reload that failed, or whose engine left during it, leaves the daemon dirty; a
+            # heal it started meanwhile was refused while the reload ran.
+            if record.dirty is not None:
+                self.heal_if_safe()
         logger.warning(
             "engine %r had this daemon reload its slots from the checkpoint into version %d (%s)",
             engine_id,
@@ -311,7 +317,12 @@ class LayoutService:
             return False
         with record.lock:
             dirty = record.dirty
-            if dirty is None or record.pending is not None or healing.cannot_reload is not None:
+            if (
+                dirty is None
+                or record.pending is not None
+                or record.reloading is not None
+                or healing.cannot_reload is not None
+            ):
                 return False
             holders = lease_holders(record)
             if holders or (dirty.content is not None and record.non_following_fetch):

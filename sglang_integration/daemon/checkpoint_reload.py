@@ -20,7 +20,7 @@ same mechanism on a loaded daemon.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -30,14 +30,17 @@ from typing import Any
 from layout_ledger.core.reloads import ReloadFailed, ReloadReport
 from layout_ledger.wire.healing import Healing
 from sglang_integration.content.model_slots import ModelSlots, routed_mapping
+from sglang_integration.daemon.checkpoint_reads import (
+    INDEX_FILE,
+    ChildReader,
+    ReadFailed,
+    ReadSession,
+    tensors_of,
+)
+from sglang_integration.settings import DEFAULT_HEAL_TIMEOUT
 from sglang_integration.upstream_lines import UpstreamLine
 
 logger = logging.getLogger(__name__)
-
-INDEX_FILE = "model.safetensors.index.json"
-# The index is read from a directory this daemon does not own: bounded before it is parsed
-# (DeepSeek-V3's is about 9 MB).
-MAX_INDEX_BYTES = 64 * 1024 * 1024
 
 _LAYER_FILE = "srt/layers/moe/fused_moe_triton/layer.py"
 _DEEPSEEK_LOADER = "srt/models/deepseek_common/deepseek_weight_loader.py"
@@ -63,81 +66,42 @@ UPSTREAM_LINES = (
 )
 
 
-class CheckpointIndex:
-    """The checkpoint's safetensors index: which file holds each tensor (read once per use, so
-    a missing or changed file shows)."""
-
-    def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
-        path = self.directory / INDEX_FILE
-        try:
-            with path.open("rb") as handle:
-                raw = handle.read(MAX_INDEX_BYTES + 1)
-        except OSError as exc:
-            raise ReloadFailed(
-                f"the checkpoint's index {path} cannot be read ({exc.strerror or exc}); a daemon "
-                f"reloads only from a local checkpoint with {INDEX_FILE}"
-            ) from None
-        if len(raw) > MAX_INDEX_BYTES:
-            raise ReloadFailed(f"{path} is larger than {MAX_INDEX_BYTES} bytes; not an index")
-        try:
-            weight_map = json.loads(raw)["weight_map"]
-        except (ValueError, KeyError, TypeError):
-            raise ReloadFailed(f"{path} is not a safetensors index (no weight_map)") from None
-        if not isinstance(weight_map, dict):
-            raise ReloadFailed(f"{path}: weight_map is not an object")
-        self.index_bytes = len(raw)
-        self.weight_map: dict[str, str] = weight_map
-
-    def expert_tensors(self, layer: int, experts: Sequence[int]) -> dict[str, list[str]]:
-        """File -> the names of ``experts``' tensors of ``layer`` it holds (weights, scales)."""
-        prefixes = tuple(f"model.layers.{layer}.mlp.experts.{expert}." for expert in experts)
-        by_file: dict[str, list[str]] = {}
-        for name, file in self.weight_map.items():
-            if not name.startswith(prefixes):
-                continue
-            if not isinstance(file, str) or "/" in file or file.startswith("."):
-                raise ReloadFailed(
-                    f"the index names an unsafe file for tensor {name[:128]!r}; refusing it"
-                )
-            by_file.setdefault(file, []).append(name)
-        return by_file
+def expert_prefixes(layer: int, experts: Sequence[int]) -> list[str]:
+    """The name prefixes of ``experts``' tensors of ``layer`` (weights and scales)."""
+    return [f"model.layers.{layer}.mlp.experts.{expert}." for expert in experts]
 
 
-def read_layer_tensors(
-    directory: Path, by_file: Mapping[str, Sequence[str]]
-) -> tuple[list[tuple[str, Any]], int]:
-    """The named tensors (one layer's) and the bytes of tensor data read."""
-    from safetensors import safe_open
-
-    tensors: list[tuple[str, Any]] = []
-    read = 0
-    for file, names in sorted(by_file.items()):
-        path = directory / file
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in sorted(names):
-                    tensor = handle.get_tensor(name)
-                    read += tensor.numel() * tensor.element_size()
-                    tensors.append((name, tensor))
-        except Exception as exc:
-            raise ReloadFailed(
-                f"the checkpoint file {path} cannot be read ({type(exc).__name__}: "
-                f"{str(exc)[:200]}); restore the checkpoint the daemon loaded"
-            ) from None
-    return tensors, read
+def reload_failure(exc: ReadFailed) -> ReloadFailed:
+    """A failed checkpoint read in the daemon's words, naming the file and the cause."""
+    if exc.path is None:
+        return ReloadFailed(f"the checkpoint could not be read ({exc.cause})")
+    if Path(exc.path).name == INDEX_FILE:
+        return ReloadFailed(
+            f"the checkpoint's index {exc.path} cannot be read ({exc.cause}); a daemon reloads "
+            f"only from a local checkpoint with {INDEX_FILE}"
+        )
+    return ReloadFailed(
+        f"the checkpoint file {exc.path} cannot be read ({exc.cause}); restore the checkpoint "
+        f"the daemon loaded"
+    )
 
 
 class CheckpointReloader:
     """Rewrites local slots of a loaded model from its checkpoint (a ``SlotReloader``)."""
 
     def __init__(
-        self, model: Any, model_config: Any, checkpoint: str | Path, slots: ModelSlots
+        self,
+        model: Any,
+        model_config: Any,
+        checkpoint: str | Path,
+        slots: ModelSlots,
+        timeout: float = DEFAULT_HEAL_TIMEOUT,
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.checkpoint = Path(checkpoint)
         self.slots = slots
+        self.reader = ChildReader(timeout)  # each read in a child, within ``timeout`` seconds
         self.max_layer_bytes = 0  # the most tensor bytes held at once (one layer's)
 
     def __call__(
@@ -146,29 +110,23 @@ class CheckpointReloader:
         from sglang_integration.daemon.placement import install_daemon_metadata
 
         started = time.perf_counter()
-        index = CheckpointIndex(self.checkpoint)
-        read = index.index_bytes
-        install_daemon_metadata(self.model_config, [list(row) for row in physical_to_logical_map])
-        layers = tuple(sorted(slots))
-        for layer in layers:
-            experts = sorted({int(physical_to_logical_map[layer][slot]) for slot in slots[layer]})
-            by_file = index.expert_tensors(layer, experts)
-            if not by_file:
-                raise ReloadFailed(
-                    f"the checkpoint's index names no tensor of layer {layer}'s experts "
-                    f"{experts}; is it the checkpoint this daemon loaded?"
+        try:
+            session = self.reader.session(str(self.checkpoint))
+        except ReadFailed as exc:
+            raise reload_failure(exc) from None
+        try:
+            read = session.index_bytes
+            install_daemon_metadata(
+                self.model_config, [list(row) for row in physical_to_logical_map]
+            )
+            layers = tuple(sorted(slots))
+            for layer in layers:
+                experts = sorted(
+                    {int(physical_to_logical_map[layer][slot]) for slot in slots[layer]}
                 )
-            tensors, layer_bytes = read_layer_tensors(self.checkpoint, by_file)
-            self.max_layer_bytes = max(self.max_layer_bytes, layer_bytes)
-            read += layer_bytes
-            try:
-                self.model.load_weights(iter(tensors))
-            except Exception as exc:
-                raise ReloadFailed(
-                    f"sglang's loader refused layer {layer}'s experts ({type(exc).__name__}: "
-                    f"{str(exc)[:200]})"
-                ) from None
-            del tensors
+                read += self._reload_layer(session, layer, experts)
+        finally:
+            session.close()
         _synchronize()
         fingerprints = self.slots.fingerprints(list(layers))
         return ReloadReport(
@@ -178,6 +136,39 @@ class CheckpointReloader:
             seconds=time.perf_counter() - started,
             fingerprints=fingerprints,
         )
+
+    def _reload_layer(self, session: ReadSession, layer: int, experts: Sequence[int]) -> int:
+        """Read ``experts``' tensors of ``layer`` in the child and load them; the bytes read."""
+        try:
+            entries, mapped, layer_bytes, _ = session.read_layer(expert_prefixes(layer, experts))
+        except ReadFailed as exc:
+            raise reload_failure(exc) from None
+        try:
+            if not entries:
+                raise ReloadFailed(
+                    f"the checkpoint's index names no tensor of layer {layer}'s experts "
+                    f"{list(experts)}; is it the checkpoint this daemon loaded?"
+                )
+            self.max_layer_bytes = max(self.max_layer_bytes, layer_bytes)
+            tensors = tensors_of(entries, mapped)
+            try:
+                self.model.load_weights(iter(tensors))
+            except Exception as exc:
+                raise ReloadFailed(
+                    f"sglang's loader refused layer {layer}'s experts ({type(exc).__name__}: "
+                    f"{str(exc)[:200]})"
+                ) from None
+            finally:
+                del tensors
+        finally:
+            if mapped is not None:
+                with contextlib.suppress(BufferError):  # a view still held: the GC closes it
+                    mapped.close()
+        return layer_bytes
+
+    def cancel(self) -> None:
+        """Stop every read now and refuse new ones (the daemon is stopping)."""
+        self.reader.cancel()
 
 
 def _synchronize() -> None:
@@ -234,6 +225,7 @@ def daemon_healing(
     physical_to_logical_map: Sequence[Sequence[int]],
     *,
     mode: str,
+    timeout: float = DEFAULT_HEAL_TIMEOUT,
 ) -> Healing:
     """What a loaded daemon can do from its checkpoint, decided once at load: a reloader, or
     the reason it has none (logged)."""
@@ -251,7 +243,7 @@ def daemon_healing(
     if reason is not None or slots is None:
         logger.warning("no heal or reload from the checkpoint: %s", reason)
         return Healing.unavailable_because(reason or "no slots", mode)
-    reloader = CheckpointReloader(model, model_config, checkpoint, slots)
+    reloader = CheckpointReloader(model, model_config, checkpoint, slots, timeout)
     problem = raw_reload_problem(reloader, physical_to_logical_map)
     if problem is not None:
         logger.warning("no heal or reload from the checkpoint: %s", problem)

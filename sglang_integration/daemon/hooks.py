@@ -45,7 +45,6 @@ from sglang_integration.daemon.layout_side import (
 )
 from sglang_integration.daemon.placement import kept_model_config, register_placement_hook
 from sglang_integration.daemon.record_opening import (
-    check_loaded_content,
     config_fingerprint,
     daemon_retention,
     loaded_fingerprints,
@@ -257,6 +256,7 @@ def _open_record_after_load(
         slots,
         initial_map,
         mode=settings.HEAL.read().value,
+        timeout=settings.HEAL_TIMEOUT.read(),
     )
     device_uuid = current_platform.get_device_uuid(daemon.gpu_id)
     label = (
@@ -276,8 +276,8 @@ def _open_record_after_load(
             origin=daemon_origin(daemon, device_uuid),
             content=loaded_fingerprints(slots, mode),
             heal=healing.describe(),
+            mode=mode,
         )
-        check_loaded_content(record, mode)
         return ledger, record, slots if record.content is not None else None, healing
     if initial_map != before.plan.physical_to_logical_map:
         before.opened.ledger.close()

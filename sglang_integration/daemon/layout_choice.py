@@ -18,7 +18,7 @@ from typing import Any
 from layout_ledger.core.errors import LedgerError
 from layout_ledger.core.layout import Geometry, Map
 from sglang_integration.daemon import ledger_paths
-from sglang_integration.daemon.checkpoint_identity import checkpoint_digest
+from sglang_integration.daemon.checkpoint_identity import checkpoint_digest, structure_digest
 from sglang_integration.daemon.record_opening import daemon_retention
 from sglang_integration.daemon.restore import (
     OpenedLedger,
@@ -62,20 +62,22 @@ def layout_to_load(daemon: Any, model_config: Any, initial_map: Map, geometry: G
         opened = OpenedLedger(ledger_paths.ledger_template(), None, str(exc))
     else:
         opened = open_before_load(path, daemon_retention())
+    load = {
+        "dtype": getattr(model_config, "dtype", None),
+        "quantization": daemon.quantization or getattr(model_config, "quantization", None),
+        "revision": daemon.revision,
+    }
     try:
-        checkpoint = checkpoint_digest(
-            daemon.model_path,
-            dtype=getattr(model_config, "dtype", None),
-            quantization=daemon.quantization or getattr(model_config, "quantization", None),
-            revision=daemon.revision,
-        )
+        checkpoint = checkpoint_digest(daemon.model_path, **load)
+        structure = structure_digest(daemon.model_path, **load)
     except OSError as exc:  # the daemons then load different checkpoints: none restores
-        checkpoint = f"unreadable: {exc}"
+        checkpoint = structure = f"unreadable: {exc}"
     plan = restore_before_load(
         opened,
         get_world_group(),
         geometry=geometry,
         checkpoint_digest=checkpoint,
+        structure_digest=structure,
         initial_map=initial_map,
     )
     if opened.ledger is None:

@@ -34,7 +34,9 @@ class DaemonLayoutSide:
     ledger: Ledger | None = None
 
     def close(self) -> None:
-        """Stop serving connections and watching attach connections, then end the incarnation."""
+        """Stop every checkpoint read (a heal waiting on a blocked file ends now), serving
+        connections and watching attach connections, then end the incarnation."""
+        self.service.healing.stop()
         self.connections.stop()
         self.watcher.stop()
         if self.ledger is not None:

@@ -4,8 +4,10 @@ The load hook (a real daemon), the model-less daemon and the one-GPU check's sta
 it the same way: the ledger file (its one writer) with the retention the settings say, a new
 incarnation (at version 0 from the initial map, or, on a ledger opened before the load, in the
 layout its restore plan loaded: ``start_planned_record``) with where it runs and the slots'
-fingerprints, then the check that replicas hold the same bytes, and for a restore that each
-slot holds what the ledger recorded for its expert. Nothing here reads sglang.
+fingerprints, and in the same transaction the load's verdict: that replicas hold the same
+bytes, and for a restore that each slot holds what a clean earlier load of the same checkpoint
+recorded for its expert (a ``checkpoint_changed`` first when the checkpoint is another one).
+Nothing here reads sglang.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ def open_ledger_record(
     origin: IncarnationOrigin | None = None,
     content: LocalFingerprints | None = None,
     heal: str | None = None,
+    mode: ContentCheck | None = None,
 ) -> tuple[Ledger, LayoutRecord]:
     """Open the ledger (one writer) and start a new incarnation at version 0, recording where
-    it runs (``origin``) and the slots' fingerprints (when the daemon records them)."""
+    it runs (``origin``) and the slots' fingerprints (when the daemon records them); with
+    ``mode``, the check that replicas hold the same bytes, in the start's transaction."""
     ledger = Ledger.open(path, retention)
     try:
         record = ledger.start_incarnation(
@@ -61,6 +65,9 @@ def open_ledger_record(
             origin=origin,
             content=content,
             heal=heal,
+            after_start=None
+            if mode is None
+            else lambda started: check_loaded_content(started, mode),
         )
     except BaseException:
         ledger.close()
@@ -82,10 +89,19 @@ def start_planned_record(
     heal: str | None = None,
 ) -> LayoutRecord:
     """On a ledger opened before the load: the incarnation in the layout the load used (the
-    restored version, or version 0), then the checks of what was loaded (the replicas, and
-    for a restore, each slot against what the ledger recorded for its expert)."""
+    restored version, or version 0) and, in the same transaction, the load's verdict: a
+    ``checkpoint_changed`` when the restored version's weights come from another checkpoint,
+    then the checks of what was loaded (the replicas, and for a restore, each slot against
+    what a clean earlier load of this checkpoint recorded for its expert)."""
+
+    def verdict(record: LayoutRecord) -> None:
+        if restore.checkpoint_change is not None:
+            record.note_checkpoint_changed(restore.checkpoint_change.describe())
+        check_loaded_content(record, mode)
+        check_restored_content(record, restore, mode)
+
     try:
-        record = ledger.start_incarnation(
+        return ledger.start_incarnation(
             geometry,
             restore.physical_to_logical_map,
             config_fingerprint=config_fingerprint,
@@ -95,13 +111,11 @@ def start_planned_record(
             checkpoint_digest=checkpoint_digest,
             restored_from=restore.restored_from,
             heal=heal,
+            after_start=verdict,
         )
     except BaseException:
         ledger.close()
         raise
-    check_loaded_content(record, mode)
-    check_restored_content(record, restore, mode)
-    return record
 
 
 def loaded_fingerprints(slots: ModelSlots | None, mode: ContentCheck) -> LocalFingerprints | None:

@@ -155,15 +155,7 @@ def move_after_load(model: Any, pending: PendingConvergence, session: Any) -> No
     world = get_parallel().world_group
     step = plan.step_of(session.rank)
     connection = rank_connection(session.socket_path, session.engine_id)
-    begun = None
-    if step.way is Way.MOVE:
-        begun = _safely(lambda: connection.begin(step.version, list(step.layers))).trimmed()
-    begins = all_gather_small(world, (session.rank, begun))
-    problems = check_begins(plan, begins)
-    if problems:
-        if begun is not None and begun.ok:
-            _safely(connection.abort)
-        raise ExpertLayoutStartupError(_failure(plan, "the begin of the move", problems))
+    begin_moves(world, plan, session.rank, connection)
     _move(model, pending)
     committed = None
     if step.way is Way.MOVE:
@@ -181,6 +173,23 @@ def move_after_load(model: Any, pending: PendingConvergence, session: Any) -> No
             list(plan.move_layers),
             ", ".join(f"rank {s.rank}" for s in plan.of_way(Way.MOVE)),
         )
+
+
+def begin_moves(world: Any, plan: ConvergePlan, rank: int, connection: Any) -> None:
+    """Every daemon that moves begins its layers; a collective over ``world``. When a begin is
+    not granted anywhere, every rank fails with the reason, and each rank whose begin was
+    granted aborts it first: its daemon would otherwise keep the move pending, and be dirty
+    (its slots unknown) once the engine exits. ``connection``: this rank's kept connection."""
+    step = plan.step_of(rank)
+    begun = None
+    if step.way is Way.MOVE:
+        begun = _safely(lambda: connection.begin(step.version, list(step.layers))).trimmed()
+    begins = all_gather_small(world, (rank, begun))
+    problems = check_begins(plan, begins)
+    if problems:
+        if begun is not None and begun.ok:
+            _safely(connection.abort)
+        raise ExpertLayoutStartupError(_failure(plan, "the begin of the move", problems))
 
 
 def check_begins(plan: ConvergePlan, replies: Sequence[tuple[int, Reply | None]]) -> list[str]:
