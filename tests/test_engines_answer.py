@@ -14,7 +14,9 @@ relative to where a test found them); the plugin-disabled and BF16 tests start t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -86,6 +88,20 @@ def launch(workspace: Workspace, daemons: list[Any], name: str, **kwargs: Any) -
     return engine
 
 
+def new_engine_answers(
+    workspace: Workspace, daemons: list[Any], name: str
+) -> tuple[list[list[int]], int | None, list[list[int]]]:
+    """A new engine starts on ``daemons``, answers once and stops: its tokens, the version it
+    routed with and its map at start."""
+    engine = launch(workspace, daemons, name)
+    try:
+        tokens, version = answer(engine)
+    finally:
+        engine.exit()
+    wait_for_daemons(daemons, lambda layout: not layout.attached, f"{name} detached")
+    return tokens, version, engine.started[0]["map"]
+
+
 def moved_slots(before: list[list[int]], after: list[list[int]]) -> int:
     return sum(
         a != b
@@ -143,15 +159,11 @@ def test_b_started_after_a_stopped_answers_as_a_final_pass_and_as_r(
     reference: list[list[int]],
     daemons: list[Any],
 ) -> None:
-    engine_b = launch(workspace, daemons, "B")
-    try:
-        tokens, version = answer(engine_b)
-    finally:
-        engine_b.exit()
+    tokens, version, b_map = new_engine_answers(workspace, daemons, "B")
     a_final, a_version = engine_a_ran["passes"][-1]
     assert (version, tokens) == (a_version, a_final)
     assert equal_prompts(tokens, reference) == PROMPTS
-    assert engine_b.started[0]["map"] == engine_a_ran["maps"][-1]
+    assert b_map == engine_a_ran["maps"][-1]
 
 
 def test_d_from_disk_with_the_daemons_map_answers_as_r(
@@ -204,14 +216,9 @@ def test_b_after_a_sigkill_mid_move_and_the_heal_answers_as_r(
         daemons, lambda layout: not layout.attached and not layout.dirty, "healed", timeout=120
     )
     assert [layout.version for layout in layouts] == [before] * 2
-    engine_b = launch(workspace, daemons, "B-healed")
-    try:
-        tokens, version = answer(engine_b)
-    finally:
-        engine_b.exit()
+    tokens, version, _ = new_engine_answers(workspace, daemons, "B-healed")
     assert version == before
     assert equal_prompts(tokens, reference) == PROMPTS
-    wait_for_daemons(daemons, lambda layout: not layout.attached, "B detached")
 
 
 def test_b_after_its_daemons_converged_answers_as_r(
@@ -228,16 +235,97 @@ def test_b_after_its_daemons_converged_answers_as_r(
     )
     assert [layout.version for layout in layouts] == [before + 1, before]
     assert layouts[0].digest != layouts[1].digest  # the chunk moved experts on rank 0's daemon
-    engine_b = launch(workspace, daemons, "B-converged")
-    try:
-        tokens, version = answer(engine_b)
-    finally:
-        engine_b.exit()
+    tokens, version, _ = new_engine_answers(workspace, daemons, "B-converged")
     layouts = [reply.layout for reply in query_daemons(daemons)]
     assert [(x.version, x.digest) for x in layouts] == [(before + 1, layouts[0].digest)] * 2
     assert version == before + 1
     assert equal_prompts(tokens, reference) == PROMPTS
-    wait_for_daemons(daemons, lambda layout: not layout.attached, "B detached")
+
+
+def run_generate(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``python -m sglang_integration.testing.generate ARGS`` in this process (its forkserver
+    is the workspace's): the exit code and what it wrote on stderr."""
+    from sglang_integration.testing.generate import main
+
+    capsys.readouterr()
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+def generate_args(workspace: Workspace, *more: str) -> list[str]:
+    return [
+        "--model", "qwen3_moe", "--checkpoint", str(workspace.checkpoint), "--ep-size", "2",
+        "--dir", str(workspace.experts("answers")), *more,
+    ]  # fmt: skip
+
+
+def test_generate_writes_each_pass_with_the_version_and_digest_it_routed_with(
+    workspace: Workspace,
+    reference: list[list[int]],
+    daemons: list[Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    before = query_daemons(daemons)[0].layout
+    out = tmp_path / "A.json"
+    code, err = run_generate(
+        generate_args(workspace, "--dtype", "float32", "--rebalances", "1", "--out", str(out)),
+        capsys,
+    )
+    assert code == 0, err
+    document = json.loads(out.read_text())
+    after = query_daemons(daemons)[0].layout
+    assert [(p["version"], p["digest"]) for p in document["passes"]] == [
+        (before.version, before.digest),
+        (after.version, after.digest),
+    ]
+    assert after.version == before.version + CHUNKS
+    assert (document["version"], document["digest"]) == (after.version, after.digest)
+    assert document["tokens"] == document["passes"][-1]["tokens"]
+    assert all(equal_prompts(p["tokens"], reference) == PROMPTS for p in document["passes"])
+    assert document["rebalances"][0]["moved_slots"] > 0
+    assert "load_skew" in document
+    wait_for_daemons(daemons, lambda layout: not layout.attached, "generate's engine detached")
+
+
+def test_generate_exits_1_with_sglangs_reason_where_the_engine_would_not_start(
+    workspace: Workspace, daemons: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sglang as it is (``--plugin off``) on daemons with a record whose experts moved: the
+    daemons refuse its ``fetch_state`` and sglang's loader raises (no fallback to disk)."""
+    assert query_daemons(daemons)[0].layout.version > 0
+    out = tmp_path / "off.json"
+    code, err = run_generate(
+        generate_args(workspace, "--dtype", "float32", "--plugin", "off", "--out", str(out)),
+        capsys,
+    )
+    assert code == 1
+    assert "the engine did not start" in err and "Daemon config mismatch" in err
+    assert not out.exists()
+    wait_for_daemons(daemons, lambda layout: not layout.attached, "detached")
+
+
+def test_generate_refuses_a_dtype_other_than_the_daemons_and_a_bad_prompts_file(
+    workspace: Workspace, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "x.json"
+    code, err = run_generate(
+        generate_args(workspace, "--dtype", "bfloat16", "--out", str(out)), capsys
+    )
+    assert code == 2
+    assert "hold float32 routed experts, this engine would compute in bfloat16" in err
+    assert "pass --dtype float32" in err
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text("[[1, 2, 64]]")
+    code, err = run_generate(
+        generate_args(
+            workspace, "--dtype", "float32", "--prompts", str(prompts), "--out", str(out)
+        ),
+        capsys,
+    )
+    assert code == 2
+    assert "holds token 64, outside the model's vocabulary [0, 64)" in err
+    assert not out.exists()
 
 
 def test_b_after_the_daemons_restart_answers_as_r_on_the_restored_version(
@@ -251,11 +339,7 @@ def test_b_after_the_daemons_restart_answers_as_r_on_the_restored_version(
     assert [reply.layout.restored_from.version for reply in query_daemons(restarted)] == [
         before
     ] * 2
-    engine_b = launch(workspace, restarted, "B-restored")
-    try:
-        tokens, version = answer(engine_b)
-    finally:
-        engine_b.exit()
+    tokens, version, _ = new_engine_answers(workspace, restarted, "B-restored")
     assert version == before
     assert equal_prompts(tokens, reference) == PROMPTS
 

@@ -316,6 +316,13 @@ def _tails(group: ModelDaemonGroup, lines: int = 15) -> str:
     )
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--checkpoint`` and ``--ep-size``: this command's and ``generate``'s."""
+    parser.add_argument("--model", required=True, choices=MODELS)
+    parser.add_argument("--checkpoint", required=True, metavar="DIR")
+    parser.add_argument("--ep-size", type=int, required=True, metavar="N")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command's arguments (its daemon flags among them)."""
     parser = argparse.ArgumentParser(
@@ -323,9 +330,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="One model-backed weight cache daemon per EP rank, in one gloo group, until "
         "SIGTERM.",
     )
-    parser.add_argument("--model", required=True, choices=MODELS)
-    parser.add_argument("--checkpoint", required=True, metavar="DIR")
-    parser.add_argument("--ep-size", type=int, required=True, metavar="N")
+    add_model_arguments(parser)
     parser.add_argument("--dir", required=True, metavar="RUN", help="the run directory")
     parser.add_argument("--num-redundant-experts", type=int, default=DEFAULT_REDUNDANT, metavar="K")
     add_daemon_flags(parser)

@@ -45,7 +45,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sglang_integration.testing.checkpoint import MODELS, read_config
+from sglang_integration.testing.checkpoint import read_config
+from sglang_integration.testing.daemons import DEFAULT_REDUNDANT, add_model_arguments
 from sglang_integration.testing.model_daemon import MODEL_DTYPES
 from sglang_integration.testing.model_errors import ModelToolkitError
 from sglang_integration.testing.prompts import (
@@ -58,7 +59,6 @@ from sglang_integration.testing.prompts import (
     read_prompts,
 )
 
-DEFAULT_REDUNDANT = 4  # testing.daemons' default
 MAX_NEW_TOKENS = 64
 STANDBY_ENV = (("SGLANG_EXPERT_LAYOUT_ROLE", "standby"),)
 # The checkpoint's torch_dtype, as sglang's --dtype names it.
@@ -79,9 +79,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="One engine (N EP ranks, sglang's own forward pass on the CPU) greedy-decodes "
         "prompts on model-backed daemons or from disk, with real rebalances between passes.",
     )
-    parser.add_argument("--model", required=True, choices=MODELS)
-    parser.add_argument("--checkpoint", required=True, metavar="DIR")
-    parser.add_argument("--ep-size", type=int, required=True, metavar="N")
+    add_model_arguments(parser)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--dir", metavar="RUN", help="the daemons' run directory (testing.daemons)")
     where.add_argument(
