@@ -89,6 +89,7 @@ class RankJob:
     layers_per_chunk: int
     pass_seconds: float
     agent_policy_ab: bool
+    starts: int = 1
 
 
 _SCHEDSTAT: dict[int, int] = {}  # thread id -> its open /proc/thread-self/schedstat
@@ -170,6 +171,52 @@ class Spent:
         self.cpu += other.cpu
         self.runqueue += other.runqueue
         self.collector += other.collector
+
+
+class _GatherTraffic:
+    """What this rank receives in ``torch.distributed``'s all-gathers (every output tensor's
+    bytes, its own share included: what gloo writes into its buffers; ``all_gather_object`` is
+    two, the sizes and the pickles padded to the largest) and broadcasts, while installed."""
+
+    def __init__(self) -> None:
+        self.gathered = self.gathers = self.broadcast = 0
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    @classmethod
+    def install(cls) -> _GatherTraffic:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        traffic = cls()
+        counters = {"all_gather": traffic._count_gather, "broadcast": traffic._count_broadcast}
+        # all_gather_object calls distributed_c10d's own all_gather; the engine id's broadcast
+        # and reply_gather call torch.distributed's
+        for module in (dist, distributed_c10d):
+            for name, count in counters.items():
+                original = getattr(module, name)
+
+                def counted(*args: Any, _original: Any = original, _count: Any = count, **kw: Any):
+                    result = _original(*args, **kw)
+                    _count(*args, **kw)
+                    return result
+
+                setattr(module, name, counted)
+                traffic._undo.append((module, name, original))
+        return traffic
+
+    def reset(self) -> None:
+        self.gathered = self.gathers = self.broadcast = 0
+
+    def uninstall(self) -> None:
+        for module, name, original in reversed(self._undo):
+            setattr(module, name, original)
+
+    def _count_gather(self, outputs: Any, *args: Any, **kwargs: Any) -> None:
+        self.gathers += 1
+        self.gathered += sum(int(t.numel()) * int(t.element_size()) for t in outputs)
+
+    def _count_broadcast(self, tensor: Any, *args: Any, **kwargs: Any) -> None:
+        self.broadcast += int(tensor.numel()) * int(tensor.element_size())
 
 
 class _SglangClock:
@@ -288,15 +335,37 @@ def _rank(job: RankJob, out: Connection) -> None:
     )
     world_group = get_parallel().world_group
     stages, untime = _timed_start_stages(engine_startup, ExpertLocationMetadata, world_group)
-    world_group.barrier()
-    started = time.perf_counter()
-    engine_startup.start_from_daemon_layout(
-        model_config=model_config,
-        metadata=get_global_expert_location_metadata(),
-        moe_ep_rank=rank,
-        socket_path=job.sockets[rank],
-    )
-    ended = time.perf_counter()
+    traffic = _GatherTraffic.install()
+    starts = []
+    for index in range(job.starts):
+        if index:  # the engine exits (it detaches) and starts again on the same daemons
+            engine_startup.close_session()
+            set_global_expert_location_metadata(
+                ExpertLocationMetadata.init_trivial(model_config, moe_ep_rank=rank),
+                allow_overwrite=True,
+            )
+        stages.clear()
+        world_group.barrier()
+        traffic.reset()
+        started = time.perf_counter()
+        engine_startup.start_from_daemon_layout(
+            model_config=model_config,
+            metadata=get_global_expert_location_metadata(),
+            moe_ep_rank=rank,
+            socket_path=job.sockets[rank],
+        )
+        ended = time.perf_counter()
+        starts.append(
+            {
+                "rank": rank,
+                "startup": (started, ended),
+                "stages": [(c.name, c.entered, c.left, c.depth) for c in stages],  # plain tuples
+                "gathered": traffic.gathered,
+                "gathers": traffic.gathers,
+                "broadcast": traffic.broadcast,
+            }
+        )
+    traffic.uninstall()
     untime()
     record_weight_source(WeightSource.DAEMON)
 
@@ -377,8 +446,7 @@ def _rank(job: RankJob, out: Connection) -> None:
     out.send(
         {
             "rank": rank,
-            "startup": (started, ended),
-            "stages": [(c.name, c.entered, c.left, c.depth) for c in stages],  # plain tuples
+            "starts": starts,
             "measured": measured,
             "idle_work": idle_work,
             "agent_stages": {k: statistics.median(v) for k, v in agent_stages.items()},
@@ -459,6 +527,10 @@ def _timed_start_stages(
 
     Returns the list the calls are appended to, and a function that puts the originals back.
     A stage the tree does not have (an older one) is left out."""
+    try:
+        from sglang_integration.engine import root_gather
+    except ImportError:  # a tree from before the start's gather through the first rank
+        root_gather = None
     calls: list[StageCall] = []
     depth = [0]
     restore: list[Callable[[], None]] = []
@@ -490,6 +562,7 @@ def _timed_start_stages(
     timed("attach and wait check", startup, "read_daemon")
     timed("content read", startup, "read_content")
     timed(GATHER, world, "all_gather_object")
+    timed(GATHER, root_gather, "all_gather_through_root")
     timed("decision and repair check", startup, "settle")
     timed(ADOPT, startup, "_apply")
     timed(INIT_BY_MAPPING, metadata_class, "init_by_mapping")
@@ -549,6 +622,78 @@ def start_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def median_start_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Section (c)'s figures of every start (``start_figures`` of each), as medians over the
+    starts; with the bytes a rank received in the start's all-gathers (the rank that received
+    most) and how many all-gathers that was."""
+    count = min(len(r["starts"]) for r in results)
+    each = []
+    for index in range(count):
+        ranks = [r["starts"][index] for r in results]
+        figures = start_figures(ranks)
+        figures["gathered"] = max(r["gathered"] for r in ranks)
+        figures["gathers"] = max(r["gathers"] for r in ranks)
+        figures["broadcast"] = max(r["broadcast"] for r in ranks)
+        each.append(figures)
+    names = list(dict.fromkeys(name for f in each for name in f["stages"]))
+    waits = list(dict.fromkeys(name for f in each for name in f["waits"]))
+    median = statistics.median
+    return {
+        **{
+            key: median(f[key] for f in each)
+            for key in ("whole", "sglang", "own", "elsewhere", "gathered", "gathers", "broadcast")
+        },
+        "init_calls": max(f["init_calls"] for f in each),
+        "stages": {name: median(f["stages"].get(name, 0.0) for f in each) for name in names},
+        "waits": {name: median(f["waits"].get(name, 0.0) for f in each) for name in waits},
+        "starts": count,
+        "own_each": [f["own"] for f in each],
+    }
+
+
+# On paper, what grows with the ranks are the collectives (each step of gloo's ring reaches one
+# more peer, and each peer's share arrives): every other stage is one rank with its own daemon
+# and its own metadata, the same work at any EP size.
+PER_PEER_STAGES = (ENGINE_ID, GROUP, GATHER)
+PROJECTED_EP = 64
+
+
+def projected_start(by_ep: dict[int, dict[str, Any]], ep: int = PROJECTED_EP) -> dict[str, Any]:
+    """EP ``ep`` on paper from the medians measured at the smallest and the largest EP size.
+
+    The bytes a rank receives: the line through the two sizes (a + b * EP). A collective stage
+    (``PER_PEER_STAGES``), less its wait for the other ranks to arrive: the line through the two
+    sizes in the peers (a + b * (EP - 1)), no lower than measured. Every other stage, the waits
+    and what lies outside the stages: the largest size's figure (this machine's 2 cores shared
+    by more processes at the larger size make it the higher of the two)."""
+    low, high = min(by_ep), max(by_ep)
+    if low == high:
+        raise ValueError("a projection needs two EP sizes")
+
+    def line(a: float, b: float, x_low: float, x_high: float, x: float) -> float:
+        slope = (b - a) / (x_high - x_low)
+        return max(b, b + slope * (x - x_high))
+
+    small, large = by_ep[low], by_ep[high]
+    stages: dict[str, float] = {}
+    for name, value in large["stages"].items():
+        if name in PER_PEER_STAGES:
+            own_low = small["stages"].get(name, 0.0) - small["waits"].get(name, 0.0)
+            own_high = value - large["waits"].get(name, 0.0)
+            stages[name] = line(own_low, own_high, low - 1, high - 1, ep - 1)
+        else:
+            stages[name] = value
+    waited = sum(large["waits"].values())
+    return {
+        "ep": ep,
+        "gathered": line(small["gathered"], large["gathered"], low, high, ep),
+        "stages": stages,
+        "waits": waited,
+        "elsewhere": large["elsewhere"],
+        "own": sum(stages.values()) + waited + large["elsewhere"],
+    }
+
+
 def _moved_map(seed: int) -> list[list[int]]:
     """A valid layout other than the initial one (every expert keeps at least one slot)."""
     rng = random.Random(seed)
@@ -588,7 +733,13 @@ class Case:
 
 
 def run(
-    case: Case, rounds: int, pass_seconds: float, workdir: Path, agent_policy_ab: bool = False
+    case: Case,
+    rounds: int,
+    pass_seconds: float,
+    workdir: Path,
+    *,
+    agent_policy_ab: bool = False,
+    starts: int = 1,
 ) -> dict[str, Any]:
     name = f"ep{case.ep}-{case.layers_per_chunk}-{int(case.slow)}"
     model_dir = write_tiny_moe_config(workdir / f"model-{name}", NUM_LAYERS, NUM_LOGICAL)
@@ -629,6 +780,7 @@ def run(
                     case.layers_per_chunk,
                     pass_seconds,
                     agent_policy_ab,
+                    starts,
                 ),
             ),
         )
@@ -785,18 +937,18 @@ def report(measured: dict[Case, dict[str, Any]], rounds: int, pass_ms: float) ->
         "(c) engine start through the plugin, from the last rank's arrival to the last rank's "
         "end (the figures of the rank that ended last), ms",
     ]
-    seen = set()
+    by_ep: dict[int, dict[str, Any]] = {}
     for case, result in measured.items():
-        if case.ep in seen or case.slow:
+        if case.ep in by_ep or case.slow:
             continue
-        seen.add(case.ep)
-        figures = start_figures(result["results"])
+        figures = by_ep[case.ep] = median_start_figures(result["results"])
         own = figures["own"]
         lines.append(
-            f"    EP {case.ep}: whole {ms(figures['whole'])}, sglang's init_by_mapping "
-            f"{ms(figures['sglang'])} ({figures['init_calls']} call"
+            f"    EP {case.ep}, median of {figures['starts']} starts: whole {ms(figures['whole'])},"
+            f" sglang's init_by_mapping {ms(figures['sglang'])} ({figures['init_calls']} call"
             f"{'' if figures['init_calls'] == 1 else 's'}), the plugin's own {ms(own)} "
-            f"(goal < {GOAL_START_MS:g}: {'met' if own * 1e3 < GOAL_START_MS else 'not met'})"
+            f"(each start: {', '.join(ms(v) for v in figures['own_each'])}; goal < "
+            f"{GOAL_START_MS:g}: {'met' if own * 1e3 < GOAL_START_MS else 'not met'})"
         )
         parts = []
         for name, value in figures["stages"].items():
@@ -805,9 +957,35 @@ def report(measured: dict[Case, dict[str, Any]], rounds: int, pass_ms: float) ->
             waited = "" if wait is None else f" (waiting for the other ranks {ms(wait)})"
             parts.append(f"{label} {ms(value)}{waited}")
         parts.append(f"outside these stages {ms(figures['elsewhere'])}")
+        lines.append("        the plugin's own by stage: " + ", ".join(parts))
         lines.append(
-            f"        the plugin's own by stage (rank {figures['rank']}): " + ", ".join(parts)
+            f"        gathered per rank: {figures['gathered']:,.0f} bytes in "
+            f"{figures['gathers']:g} all-gathers ({figures['gathered'] / case.ep:,.0f} bytes a "
+            f"rank), broadcast {figures['broadcast']:,.0f} bytes"
         )
+    if len(by_ep) >= 2:
+        paper = projected_start(by_ep)
+        low, high = min(by_ep), max(by_ep)
+        growth = (by_ep[high]["gathered"] / by_ep[low]["gathered"]) / (high / low)
+        lines += [
+            "",
+            f"(c1) EP {low} -> EP {high} -> EP {paper['ep']} on paper, DeepSeek-V3 geometry "
+            f"(projected_start: collectives on a line through EP {low} and EP {high} in the "
+            f"peers, every other stage at EP {high}'s figure)",
+            f"    gathered bytes per rank: {by_ep[low]['gathered']:,.0f} -> "
+            f"{by_ep[high]['gathered']:,.0f} -> {paper['gathered']:,.0f} (EP {low} -> EP {high}: "
+            f"x{growth:.2f} the growth of the ranks; goal at most linear in EP: "
+            f"{'met' if growth <= 1.05 else 'not met'})",
+            "    the plugin's own, ms: "
+            + " -> ".join(ms(by_ep[size]["own"]) for size in sorted(by_ep))
+            + f" -> {ms(paper['own'])} (goal < {GOAL_START_MS:g} at EP {paper['ep']}: "
+            f"{'met' if paper['own'] * 1e3 < GOAL_START_MS else 'not met'})",
+            "        by stage at EP "
+            + str(paper["ep"])
+            + ": "
+            + ", ".join(f"{name} {ms(value)}" for name, value in paper["stages"].items())
+            + f", waits {ms(paper['waits'])}, outside {ms(paper['elsewhere'])}",
+        ]
     return "\n".join(lines)
 
 
@@ -816,6 +994,9 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--starts", type=int, default=5, help="engine starts per EP size, (c)'s medians"
+    )
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--pass-ms", type=float, default=5.0)
     parser.add_argument("--no-slow", action="store_true", help="skip the slowed daemons")
@@ -845,7 +1026,15 @@ def main() -> int:
     ]
     with tempfile.TemporaryDirectory() as tmp:
         measured = {
-            case: run(case, args.rounds, args.pass_ms / 1e3, Path(tmp), args.agent_policy_ab)
+            case: run(
+                case,
+                args.rounds,
+                args.pass_ms / 1e3,
+                Path(tmp),
+                agent_policy_ab=args.agent_policy_ab,
+                # the start's figures come from the daemons as they are, once per EP size
+                starts=args.starts if not case.slow else 1,
+            )
             for case in cases
         }
     print(report(measured, args.rounds, args.pass_ms))

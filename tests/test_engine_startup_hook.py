@@ -329,23 +329,28 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     return report
 
 
+# ``root_gather.all_gather_through_root`` itself, while ``_record_gathers`` wraps it.
+_ROOT_GATHER: list[Any] = []
+
+
 def _record_gathers(into: list[tuple[Any, list[Any]]] | None) -> None:
-    """With a list: every ``all_gather_object`` of sglang's world group appends (the value this
-    rank sent, the values it received); None: the group's own method again."""
-    from sglang.srt.runtime_context import get_parallel
+    """With a list: every all-gather of the start's findings (``root_gather``, over sglang's
+    world group) appends (the value this rank sent, the values it received); None: stop."""
+    from sglang_integration.engine import root_gather
 
-    world = get_parallel().world_group
+    if not _ROOT_GATHER:
+        _ROOT_GATHER.append(root_gather.all_gather_through_root)
+    original = _ROOT_GATHER[0]
     if into is None:
-        vars(world).pop("all_gather_object", None)
+        root_gather.all_gather_through_root = original
         return
-    original = type(world).all_gather_object
 
-    def recorded(value: Any) -> list[Any]:
-        received: list[Any] = original(world, value)
+    def recorded(group: Any, value: Any) -> list[Any]:
+        received: list[Any] = original(group, value)
         into.append((value, list(received)))
         return received
 
-    world.all_gather_object = recorded
+    root_gather.all_gather_through_root = recorded
 
 
 def _then(scenario: dict[str, Any], rank: int, report: dict[str, Any]) -> None:

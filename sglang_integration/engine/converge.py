@@ -50,7 +50,7 @@ from sglang_integration.engine.converge_decisions import (
     plan_convergence,
     why_reload,
 )
-from sglang_integration.engine.finding_gather import gather_findings
+from sglang_integration.engine.finding_gather import gather_findings, world_gather
 from sglang_integration.engine.reply_gather import all_gather_small
 from sglang_integration.engine.startup_repair import StartupRank, read_content
 from sglang_integration.upstream_lines import UpstreamLine
@@ -283,7 +283,7 @@ def _read_again(
             reason=f"query {reply.outcome.value}: {reply.reason}",
         )
     content = read_content(this.socket_path, finding, rank=this.rank, mode=this.mode)
-    gathered = gather_findings(world.all_gather_object, finding, content)
+    gathered = gather_findings(world_gather(world), finding, content)
     return gathered.findings, gathered.contents
 
 

@@ -39,6 +39,14 @@ from sglang_integration.engine.converge_decisions import needs_convergence
 Gather = Callable[[Any], list[Any]]
 
 
+def world_gather(world: Any) -> Gather:
+    """The start's all-gather over sglang's world group: through its first rank, a few steps
+    whatever the ranks (``root_gather``)."""
+    from sglang_integration.engine import root_gather
+
+    return lambda value: root_gather.all_gather_through_root(world, value)
+
+
 @dataclass(frozen=True)
 class Gathered:
     """Every rank's finding (maps where the decision needs them), content and extra value."""

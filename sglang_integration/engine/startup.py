@@ -39,7 +39,7 @@ from layout_ledger.wire.protocol import LayoutView, Outcome
 from sglang_integration.engine import client
 from sglang_integration.engine.converge import PendingConvergence, converge_at_startup
 from sglang_integration.engine.converge_decisions import ConvergeByMove, needs_convergence
-from sglang_integration.engine.finding_gather import gather_findings
+from sglang_integration.engine.finding_gather import gather_findings, world_gather
 from sglang_integration.engine.rebalance_agent import create_group
 from sglang_integration.engine.startup_repair import StartupRank, read_content, settle
 from sglang_integration.settings import ROLE, ROLE_ACTIVE, ROLE_STANDBY, WAIT_TIMEOUT, content_check
@@ -238,7 +238,7 @@ def start_from_daemon_layout(
     )
     role = _granted_role(asked_role, attachment)
     content = read_content(socket_path, finding, rank=rank, mode=this.mode)
-    gathered = gather_findings(world.all_gather_object, finding, content, role)
+    gathered = gather_findings(world_gather(world), finding, content, role)
     findings, contents = gathered.findings, gathered.contents
     local = int(metadata.num_local_physical_experts)
     try:

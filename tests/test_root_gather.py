@@ -1,0 +1,66 @@
+"""The start's all-gather through the first rank gives every rank what ``all_gather_object`` would.
+
+Real processes in a real gloo group (2 and 3 ranks: a binomial broadcast of an odd size). The
+group object is torch's own process group under the names of sglang's ``GroupCoordinator`` the
+function reads; the startup tests run it through sglang's real world group.
+"""
+
+from __future__ import annotations
+
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+
+from sglang_integration.engine import root_gather
+from sglang_integration.testing.cpu_engine import free_port, one_result_per_rank
+from sglang_integration.testing.sglang_env import set_quiet_sglang_env
+
+
+class _Group:
+    """torch's default gloo group under the names sglang's ``GroupCoordinator`` gives it."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.world_size = dist.get_world_size()
+        self.rank_in_group = dist.get_rank()
+        self.ranks = list(range(self.world_size))
+        self.cpu_group = dist.group.WORLD
+
+
+def _rank(rank: int, size: int, port: int, values: list[Any], out: Connection) -> None:
+    import torch.distributed as dist
+
+    set_quiet_sglang_env()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    try:
+        group = _Group()
+        out.send([root_gather.all_gather_through_root(group, value(rank)) for value in values])
+    finally:
+        dist.destroy_process_group()
+
+
+def _finding(rank: int) -> dict[str, Any]:
+    return {"rank": rank, "version": 7, "digest": "ab" * 32, "socket": f"/run/d{rank}.sock"}
+
+
+def _large_beyond_rank_0(rank: int) -> list[int]:
+    return list(range(10 if rank == 0 else 3 * root_gather.SLOT_BYTES))
+
+
+def _empty(rank: int) -> None:
+    return None
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_every_rank_gets_every_value_in_rank_order_including_one_too_large_for_a_slot(
+    size: int,
+) -> None:
+    port = free_port()
+    values = [_finding, _large_beyond_rank_0, _empty, _finding]
+    results = one_result_per_rank(size, _rank, lambda rank: (rank, size, port, values))
+    expected = [[value(rank) for rank in range(size)] for value in values]
+    assert results == [expected] * size
