@@ -527,10 +527,8 @@ def _timed_start_stages(
 
     Returns the list the calls are appended to, and a function that puts the originals back.
     A stage the tree does not have (an older one) is left out."""
-    try:
-        from sglang_integration.engine import root_gather
-    except ImportError:  # a tree from before the start's gather through the first rank
-        root_gather = None
+    from sglang_integration.engine import reply_gather
+
     calls: list[StageCall] = []
     depth = [0]
     restore: list[Callable[[], None]] = []
@@ -562,7 +560,7 @@ def _timed_start_stages(
     timed("attach and wait check", startup, "read_daemon")
     timed("content read", startup, "read_content")
     timed(GATHER, world, "all_gather_object")
-    timed(GATHER, root_gather, "all_gather_through_root")
+    timed(GATHER, reply_gather, "all_gather_small")
     timed("decision and repair check", startup, "settle")
     timed(ADOPT, startup, "_apply")
     timed(INIT_BY_MAPPING, metadata_class, "init_by_mapping")

@@ -329,20 +329,20 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     return report
 
 
-# ``root_gather.all_gather_through_root`` itself, while ``_record_gathers`` wraps it.
+# ``reply_gather.all_gather_small`` itself, while ``_record_gathers`` wraps it.
 _ROOT_GATHER: list[Any] = []
 
 
 def _record_gathers(into: list[tuple[Any, list[Any]]] | None) -> None:
-    """With a list: every all-gather of the start's findings (``root_gather``, over sglang's
-    world group) appends (the value this rank sent, the values it received); None: stop."""
-    from sglang_integration.engine import root_gather
+    """With a list: every small all-gather of sglang's world group (``reply_gather``: the
+    start's findings) appends (the value this rank sent, the values it received); None: stop."""
+    from sglang_integration.engine import reply_gather
 
     if not _ROOT_GATHER:
-        _ROOT_GATHER.append(root_gather.all_gather_through_root)
+        _ROOT_GATHER.append(reply_gather.all_gather_small)
     original = _ROOT_GATHER[0]
     if into is None:
-        root_gather.all_gather_through_root = original
+        reply_gather.all_gather_small = original
         return
 
     def recorded(group: Any, value: Any) -> list[Any]:
@@ -350,7 +350,7 @@ def _record_gathers(into: list[tuple[Any, list[Any]]] | None) -> None:
         into.append((value, list(received)))
         return received
 
-    root_gather.all_gather_through_root = recorded
+    reply_gather.all_gather_small = recorded
 
 
 def _then(scenario: dict[str, Any], rank: int, report: dict[str, Any]) -> None:

@@ -41,10 +41,10 @@ Gather = Callable[[Any], list[Any]]
 
 def world_gather(world: Any) -> Gather:
     """The start's all-gather over sglang's world group: through its first rank, a few steps
-    whatever the ranks (``root_gather``)."""
-    from sglang_integration.engine import root_gather
+    whatever the ranks (``reply_gather``)."""
+    from sglang_integration.engine import reply_gather
 
-    return lambda value: root_gather.all_gather_through_root(world, value)
+    return lambda value: reply_gather.all_gather_small(world, value)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -88,12 +88,20 @@ class RankLayoutClient(Protocol):
 
 class PluginGroup:
     """The plugin's own gloo group over the engine's world ranks, in the shape
-    ``all_gather_small`` reads (``world_size``, ``cpu_group``, ``all_gather_object``)."""
+    ``all_gather_small`` reads (``world_size``, ``rank_in_group``, ``ranks``, ``cpu_group``);
+    ``ranks``: the global ranks, the world group's (0 .. world_size - 1 when not given)."""
 
-    def __init__(self, cpu_group: Any, world_size: int, rank_in_group: int) -> None:
+    def __init__(
+        self,
+        cpu_group: Any,
+        world_size: int,
+        rank_in_group: int,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
         self.cpu_group = cpu_group
         self.world_size = world_size
         self.rank_in_group = rank_in_group
+        self.ranks = list(range(world_size)) if ranks is None else list(ranks)
 
     def all_gather_object(self, value: Any) -> list[Any]:
         import torch.distributed as dist
@@ -137,7 +145,9 @@ def create_group(world: Any) -> PluginGroup:
     from sglang_integration.engine.gloo_groups import new_gloo_group
 
     cpu_group = new_gloo_group(world, GROUP_TIMEOUT)
-    group = PluginGroup(cpu_group, int(world.world_size), int(world.rank_in_group))
+    group = PluginGroup(
+        cpu_group, int(world.world_size), int(world.rank_in_group), [int(r) for r in world.ranks]
+    )
     if _ThisRank.group is not None:
         _ThisRank.group.destroy()
     _ThisRank.group = group
