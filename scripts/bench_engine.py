@@ -649,10 +649,21 @@ def median_start_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-# On paper, what grows with the ranks are the collectives (each step of gloo's ring reaches one
-# more peer, and each peer's share arrives): every other stage is one rank with its own daemon
-# and its own metadata, the same work at any EP size.
-PER_PEER_STAGES = (ENGINE_ID, GROUP, GATHER)
+# On paper, what grows with the ranks are the collectives, by the steps gloo takes for each
+# (each step a message that waits for the one before): the engine id's broadcast is a binomial
+# tree, ceil(log2 EP) steps (gloo's broadcast.cc); the findings' all-gather goes through the
+# first rank (engine.reply_gather: a gather, one step, and that broadcast); the agents' group
+# connects each rank to every other (gloo's full mesh), EP - 1 of them. Every other stage is one
+# rank with its own daemon and its own metadata: the same work at any EP size.
+def _log2_ceil(ep: int) -> int:
+    return max(1, (ep - 1).bit_length())
+
+
+STEPS: dict[str, Callable[[int], int]] = {
+    ENGINE_ID: _log2_ceil,
+    GATHER: lambda ep: 1 + _log2_ceil(ep),
+    GROUP: lambda ep: ep - 1,
+}
 PROJECTED_EP = 64
 
 
@@ -660,27 +671,29 @@ def projected_start(by_ep: dict[int, dict[str, Any]], ep: int = PROJECTED_EP) ->
     """EP ``ep`` on paper from the medians measured at the smallest and the largest EP size.
 
     The bytes a rank receives: the line through the two sizes (a + b * EP). A collective stage
-    (``PER_PEER_STAGES``), less its wait for the other ranks to arrive: the line through the two
-    sizes in the peers (a + b * (EP - 1)), no lower than measured. Every other stage, the waits
-    and what lies outside the stages: the largest size's figure (this machine's 2 cores shared
-    by more processes at the larger size make it the higher of the two)."""
+    (``STEPS``), less its wait for the other ranks to arrive: the line through the two sizes in
+    its steps (a + b * steps(EP)), never below the largest size's figure. Every other stage, the
+    waits and what lies outside the stages: the largest size's figure (this machine's 2 cores,
+    shared by more processes at the larger size, make it the higher of the two)."""
     low, high = min(by_ep), max(by_ep)
     if low == high:
         raise ValueError("a projection needs two EP sizes")
 
-    def line(a: float, b: float, x_low: float, x_high: float, x: float) -> float:
-        slope = (b - a) / (x_high - x_low)
-        return max(b, b + slope * (x - x_high))
+    def line(at_low: float, at_high: float, x_low: float, x_high: float, x: float) -> float:
+        if x_high == x_low:
+            return at_high
+        return max(at_high, at_high + (at_high - at_low) / (x_high - x_low) * (x - x_high))
 
     small, large = by_ep[low], by_ep[high]
     stages: dict[str, float] = {}
     for name, value in large["stages"].items():
-        if name in PER_PEER_STAGES:
-            own_low = small["stages"].get(name, 0.0) - small["waits"].get(name, 0.0)
-            own_high = value - large["waits"].get(name, 0.0)
-            stages[name] = line(own_low, own_high, low - 1, high - 1, ep - 1)
-        else:
+        steps = STEPS.get(name)
+        if steps is None:
             stages[name] = value
+            continue
+        at_low = small["stages"].get(name, 0.0) - small["waits"].get(name, 0.0)
+        at_high = value - large["waits"].get(name, 0.0)
+        stages[name] = line(at_low, at_high, steps(low), steps(high), steps(ep))
     waited = sum(large["waits"].values())
     return {
         "ep": ep,
@@ -968,8 +981,8 @@ def report(measured: dict[Case, dict[str, Any]], rounds: int, pass_ms: float) ->
         lines += [
             "",
             f"(c1) EP {low} -> EP {high} -> EP {paper['ep']} on paper, DeepSeek-V3 geometry "
-            f"(projected_start: collectives on a line through EP {low} and EP {high} in the "
-            f"peers, every other stage at EP {high}'s figure)",
+            f"(projected_start: each collective on the line through EP {low} and EP {high} in "
+            f"gloo's steps, every other stage at EP {high}'s figure)",
             f"    gathered bytes per rank: {by_ep[low]['gathered']:,.0f} -> "
             f"{by_ep[high]['gathered']:,.0f} -> {paper['gathered']:,.0f} (EP {low} -> EP {high}: "
             f"x{growth:.2f} the growth of the ranks; goal at most linear in EP: "
