@@ -59,20 +59,19 @@ def test_the_start_is_cut_to_the_last_arrival_and_nested_stages_count_once() -> 
     assert figures["elsewhere"] == pytest.approx(1.1 - 0.05 - 0.2 - 0.5)
 
 
-def _start(rank: int, own: float, gathered: int) -> dict[str, Any]:
+def _start(rank: int, own: float, received: int) -> dict[str, Any]:
     """One rank's start whose only stage is the findings' all-gather, ``own`` seconds long."""
     return {
         **_rank(rank, 0.0, own, [(GATHER, 0.0, own, 0)]),
-        "gathered": gathered,
-        "gathers": 2,
-        "broadcast": 128,
+        "received": received,
+        "collectives": 3,
     }
 
 
 def test_figures_are_medians_over_the_starts_bytes_those_of_the_rank_receiving_most() -> None:
     starts = [(0.010, 1400), (0.030, 1400), (0.020, 1400)]
     results = [
-        {"rank": rank, "starts": [_start(rank, own, gathered + rank) for own, gathered in starts]}
+        {"rank": rank, "starts": [_start(rank, own, received + rank) for own, received in starts]}
         for rank in range(2)
     ]
     figures = median_start_figures(results)
@@ -80,12 +79,12 @@ def test_figures_are_medians_over_the_starts_bytes_those_of_the_rank_receiving_m
     assert figures["own"] == pytest.approx(0.020)
     assert figures["own_each"] == pytest.approx([0.010, 0.030, 0.020])
     assert figures["stages"] == pytest.approx({GATHER: 0.020})
-    assert figures["gathered"] == 1401  # rank 1 received a byte more
-    assert (figures["gathers"], figures["broadcast"]) == (2, 128)
+    assert figures["received"] == 1401  # rank 1 received a byte more
+    assert figures["collectives"] == 3
 
 
-def _figures(stages: dict[str, float], waits: dict[str, float], gathered: int) -> dict[str, Any]:
-    return {"stages": stages, "waits": waits, "gathered": gathered, "elsewhere": 0.001}
+def _figures(stages: dict[str, float], waits: dict[str, float], received: int) -> dict[str, Any]:
+    return {"stages": stages, "waits": waits, "received": received, "elsewhere": 0.001}
 
 
 def test_on_paper_collectives_grow_in_gloos_steps_other_stages_and_bytes_as_measured() -> None:
@@ -100,7 +99,7 @@ def test_on_paper_collectives_grow_in_gloos_steps_other_stages_and_bytes_as_meas
         ),
     }
     paper = projected_start(by_ep, ep=64)
-    assert paper["gathered"] == pytest.approx(44800)  # 700 bytes a rank
+    assert paper["received"] == pytest.approx(44800)  # 700 bytes a rank
     assert paper["stages"] == pytest.approx(
         {
             ENGINE_ID: 0.002 + 0.001 * 4,  # 1 ms a step: 2 -> 6 steps
