@@ -722,7 +722,7 @@ def projected_start(by_ep: dict[int, dict[str, Any]], ep: int = PROJECTED_EP) ->
     }
 
 
-def content_bytes_on_paper(ep: int) -> int:
+def content_bytes_on_paper(ep: int) -> int | None:
     """What a rank would receive in the findings' gathers with the content check on: every
     rank's first-round value (``finding_gather``: its finding and content finding without the
     maps and current fingerprints, the recorded fingerprints of its local slots kept) pickled,
@@ -736,7 +736,11 @@ def content_bytes_on_paper(ep: int) -> int:
     from layout_ledger.core.startup_verdict import FindingKind, RankFinding
     from layout_ledger.wire.protocol import ContentView
     from sglang_integration.engine.content_decisions import ContentKind, RankContent
-    from sglang_integration.engine.finding_gather import for_the_decision, without_map
+
+    try:
+        from sglang_integration.engine.finding_gather import for_the_decision, without_map
+    except ImportError:  # a tree from before it (its start gathers every rank's whole finding)
+        return None
 
     local = -(-NUM_SLOTS // ep)
     the_map = trivial_map(NUM_LAYERS, local * ep, NUM_LOGICAL)
@@ -1076,7 +1080,8 @@ def report(
             "    with the content check on, on paper (content_bytes_on_paper: the recorded "
             "fingerprints of every daemon's local slots): "
             + " -> ".join(
-                f"{content_bytes_on_paper(size):,.0f}" for size in (*sorted(by_ep), paper["ep"])
+                "-" if received is None else f"{received:,.0f}"
+                for received in map(content_bytes_on_paper, (*sorted(by_ep), paper["ep"]))
             )
             + " bytes per rank",
             "    the plugin's own, ms: "
