@@ -669,9 +669,10 @@ def median_start_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
 # On paper, what grows with the ranks are the collectives, by the steps gloo takes for each
 # (each step a message that waits for the one before): the engine id's broadcast is a binomial
 # tree, ceil(log2 EP) steps (gloo's broadcast.cc); the findings' all-gather goes through the
-# first rank (engine.reply_gather: a gather, one step, and that broadcast); the agents' group
-# connects each rank to every other (gloo's full mesh), EP - 1 of them. Every other stage is one
-# rank with its own daemon and its own metadata: the same work at any EP size.
+# first rank (engine.reply_gather: a gather, one step, and that broadcast); the agents' group is
+# one store barrier, its pairs connected lazily on a thread of its own
+# (rebalance_agent.create_group; made at once, gloo's full mesh would be EP - 1 connections a
+# rank). Every other stage is one rank with its own daemon and metadata: the same at any EP.
 def _log2_ceil(ep: int) -> int:
     return max(1, (ep - 1).bit_length())
 
@@ -679,7 +680,7 @@ def _log2_ceil(ep: int) -> int:
 STEPS: dict[str, Callable[[int], int]] = {
     ENGINE_ID: _log2_ceil,
     GATHER: lambda ep: 1 + _log2_ceil(ep),
-    GROUP: lambda ep: ep - 1,
+    GROUP: lambda ep: 1,
 }
 PROJECTED_EP = 64
 
