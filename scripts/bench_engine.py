@@ -175,8 +175,9 @@ class Spent:
 
 class _GatherTraffic:
     """What other ranks write into this rank's buffers in ``torch.distributed``'s all-gathers,
-    gathers and broadcasts (its own share left out: an all-gather's input, a gather's root's own
-    part, a broadcast's root), and how many collectives, while installed. ``all_gather_object``
+    gathers and broadcasts on the main thread (the start's; its own share left out: an
+    all-gather's input, a gather's root's own part, a broadcast's root), and how many
+    collectives, while installed. ``all_gather_object``
     is two all-gathers (the sizes, then the pickles padded to the largest); the start's
     findings go through the first rank (``reply_gather``: a gather and a broadcast)."""
 
@@ -218,10 +219,14 @@ class _GatherTraffic:
             setattr(module, name, original)
 
     def _all_gather(self, outputs: Any, mine: Any, *args: Any, **kwargs: Any) -> None:
+        if not _on_the_main_thread():
+            return
         self.collectives += 1
         self.received += sum(_bytes(t) for t in outputs) - _bytes(mine)
 
     def _gather(self, mine: Any, parts: Any = None, *args: Any, **kwargs: Any) -> None:
+        if not _on_the_main_thread():
+            return
         self.collectives += 1
         if parts is not None:
             self.received += sum(_bytes(t) for t in parts) - _bytes(mine)
@@ -229,9 +234,18 @@ class _GatherTraffic:
     def _broadcast(self, tensor: Any, src: Any = None, *args: Any, **kwargs: Any) -> None:
         import torch.distributed as dist
 
+        if not _on_the_main_thread():
+            return
         self.collectives += 1
         if src != dist.get_rank():
             self.received += _bytes(tensor)
+
+
+def _on_the_main_thread() -> bool:
+    """The start's own collectives: not the agents' group connecting on its own thread."""
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def _bytes(tensor: Any) -> int:
@@ -690,9 +704,11 @@ def projected_start(by_ep: dict[int, dict[str, Any]], ep: int = PROJECTED_EP) ->
 
     The bytes a rank receives: the line through the two sizes (a + b * EP). A collective stage
     (``STEPS``), less its wait for the other ranks to arrive: the line through the two sizes in
-    its steps (a + b * steps(EP)), never below the largest size's figure. Every other stage, the
-    waits and what lies outside the stages: the largest size's figure (this machine's 2 cores,
-    shared by more processes at the larger size, make it the higher of the two)."""
+    its steps (a + b * steps(EP)), never below the largest size's figure; on 2 shared cores the
+    larger size's steps also wait for CPUs, so the slope is an upper bound. Every other stage
+    and what lies outside the stages, one rank's own work whatever the EP size: the smaller of
+    the two figures (the same work, where fewer processes share the cores). The waits for the
+    other ranks: the largest size's."""
     low, high = min(by_ep), max(by_ep)
     if low == high:
         raise ValueError("a projection needs two EP sizes")
@@ -707,7 +723,7 @@ def projected_start(by_ep: dict[int, dict[str, Any]], ep: int = PROJECTED_EP) ->
     for name, value in large["stages"].items():
         steps = STEPS.get(name)
         if steps is None:
-            stages[name] = value
+            stages[name] = min(value, small["stages"].get(name, value))
             continue
         at_low = small["stages"].get(name, 0.0) - small["waits"].get(name, 0.0)
         at_high = value - large["waits"].get(name, 0.0)
@@ -718,8 +734,8 @@ def projected_start(by_ep: dict[int, dict[str, Any]], ep: int = PROJECTED_EP) ->
         "received": line(small["received"], large["received"], low, high, ep),
         "stages": stages,
         "waits": waited,
-        "elsewhere": large["elsewhere"],
-        "own": sum(stages.values()) + waited + large["elsewhere"],
+        "elsewhere": min(small["elsewhere"], large["elsewhere"]),
+        "own": sum(stages.values()) + waited + min(small["elsewhere"], large["elsewhere"]),
     }
 
 
