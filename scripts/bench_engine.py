@@ -25,16 +25,24 @@ back 50 ms (``testing.slow_relay``), beside the forward passes a rebalance takes
 thread's Python work per pass while the agent works against while no rebalance runs. Each
 rebalance's first and last chunk (its set-up, its end) are printed apart (a1), and each chunk's
 time is split into the main thread's CPU time, its wait for a CPU while runnable (the kernel's
-run delay) and the rest, waits for the GIL among it (a2). ``--agent-policy-ab`` runs the plugin
-a second time with its agent thread ``SCHED_OTHER`` instead of ``SCHED_BATCH``.
+run delay) and the rest, waits for the GIL among it (a2); (a) also gives the chunks' figures
+less each one's wait for a CPU, what the plugin's code adds where a CPU is free for the forward
+path (the 2 cores here are shared by every rank, daemon and agent, and by other work: the load
+averages are printed). ``--agent-policy-ab`` runs the plugin a second time with its agent
+thread ``SCHED_OTHER`` instead of ``SCHED_BATCH``.
 
-Then the engine start (``startup.start_from_daemon_layout`` on daemons whose layout moved), by
+Then the engine start (``startup.start_from_daemon_layout`` on daemons whose layout moved),
+``--starts`` times per EP size (the engine exits and starts again on the same daemons), by
 stage, beside sglang's own ``ExpertLocationMetadata.init_by_mapping`` of the same map: from the
 last rank's arrival to the last rank's end, the figures of the rank that ended last, each
-collective's wait for the other ranks shown apart (``start_figures``).
+collective's wait for the other ranks shown apart (``start_figures``), medians over the starts
+(``median_start_figures``), with the bytes a rank receives from the others in the start's
+collectives. (c1) takes the two EP sizes to EP 64 on paper (``projected_start``: each
+collective by gloo's steps, one rank's own work as it is) and gives the bytes a rank would
+receive with the content check on (``content_bytes_on_paper``).
 
     .venv/bin/python scripts/bench_engine.py [--rounds 5] [--ep 2 4] [--pass-ms 5] [--no-slow]
-        [--chunking both|all|one] [--agent-policy-ab]
+        [--chunking both|all|one] [--agent-policy-ab] [--starts 5]
 """
 
 from __future__ import annotations
