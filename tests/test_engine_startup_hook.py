@@ -287,12 +287,19 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     method = ModelRunner.maybe_init_expert_location_metadata
     if scenario.get("startup") == "original":
         method = method.__wrapped__  # sglang's own method, without the startup hook
+    gathers: list[tuple[Any, list[Any]]] = []
+    if scenario.get("record_gathers"):
+        _record_gathers(gathers)
     try:
         method(runner)
         report["error"] = None
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()
+    finally:
+        if scenario.get("record_gathers"):
+            report["gathers"] = gathers
+            _record_gathers(None)
     report["seconds"] = time.monotonic() - started
     metadata = get_global_expert_location_metadata()
     report["map"] = None if metadata is None else map_of(metadata)
@@ -308,6 +315,8 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
             "digest": session.digest,
             # whether this rank made the rebalance agents' gloo group (``create_group``)
             "agents_group": rebalance_agent.current_group() is not None,
+            # the version a convergence moves the daemons to once the weights are loaded
+            "converging_to": None if session.converge is None else session.converge.plan.version,
         }
     )
     if scenario.get("fetch") and report["error"] is None:
@@ -318,6 +327,30 @@ def _run_scenario(scenario: dict[str, Any], rank: int, world_size: int, capture:
     for key in scenario.get("env", {}):
         os.environ.pop(key, None)
     return report
+
+
+# ``reply_gather.all_gather_small`` itself, while ``_record_gathers`` wraps it.
+_ROOT_GATHER: list[Any] = []
+
+
+def _record_gathers(into: list[tuple[Any, list[Any]]] | None) -> None:
+    """With a list: every small all-gather of sglang's world group (``reply_gather``: the
+    start's findings) appends (the value this rank sent, the values it received); None: stop."""
+    from sglang_integration.engine import reply_gather
+
+    if not _ROOT_GATHER:
+        _ROOT_GATHER.append(reply_gather.all_gather_small)
+    original = _ROOT_GATHER[0]
+    if into is None:
+        reply_gather.all_gather_small = original
+        return
+
+    def recorded(group: Any, value: Any) -> list[Any]:
+        received: list[Any] = original(group, value)
+        into.append((value, list(received)))
+        return received
+
+    reply_gather.all_gather_small = recorded
 
 
 def _then(scenario: dict[str, Any], rank: int, report: dict[str, Any]) -> None:

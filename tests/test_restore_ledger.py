@@ -8,20 +8,23 @@ from the rows alone.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import sqlite3
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from alembic import command
-from ledger_support import SMALL, move, open_ledger
+from ledger_support import SMALL, move, open_ledger, random_row
 from sqlalchemy import create_engine
 
 from layout_ledger.cli.app import main as cli_main
+from layout_ledger.core.content import LocalFingerprints
 from layout_ledger.core.errors import LedgerInconsistent, SchemaDowngradeRefused
 from layout_ledger.core.layout import Geometry, Map, layout_digest, trivial_map
 from layout_ledger.core.record import LayoutRecord
@@ -30,7 +33,7 @@ from layout_ledger.history.checks import collect_verify
 from layout_ledger.history.reader import LedgerReader
 from layout_ledger.store.ledger import Ledger
 from layout_ledger.store.migrate import alembic_config
-from layout_ledger.store.restore_offer import NoOffer, RestoreOffer
+from layout_ledger.store.restore_offer import NoOffer, RestoreOffer, newest_offer
 
 CHECKPOINT = "c" * 64
 INITIAL = trivial_map(SMALL.num_layers, SMALL.num_physical_slots, SMALL.num_logical_experts)
@@ -201,6 +204,84 @@ def test_an_empty_ledger_offers_nothing(tmp_path: Path) -> None:
     assert offered(tmp_path / "l.sqlite") == NoOffer(
         "no earlier version (the ledger holds no incarnation)"
     )
+
+
+def fingerprinted_ledger(path: Path, moves: int) -> None:
+    """A closed ledger whose one incarnation committed ``moves`` versions, its first 6 slots'
+    fingerprints recorded with each (an expert's fingerprint is its own wherever it lies)."""
+    ledger = open_ledger(path)
+    the_map = [list(row) for row in INITIAL]
+
+    def fingerprints_of(layers: Sequence[int] | None = None) -> LocalFingerprints:
+        chosen = range(SMALL.num_layers) if layers is None else layers
+        return LocalFingerprints(
+            0,
+            {
+                layer: tuple(
+                    hashlib.sha256(f"{layer}:{expert}".encode()).hexdigest()
+                    for expert in the_map[layer][:6]
+                )
+                for layer in chosen
+            },
+        )
+
+    record = start(ledger, content=fingerprints_of())
+    record.attach("engine-a")
+    rng = random.Random(7)
+    for number in range(moves):
+        layers = sorted({number % SMALL.num_layers, (number + 3) % SMALL.num_layers})
+        record.begin("engine-a", record.version, layers)
+        rows = {layer: random_row(rng, SMALL) for layer in layers}
+        the_map = [rows.get(layer, row) for layer, row in enumerate(the_map)]
+        record.commit("engine-a", rows, fingerprints_of)
+    ledger.close()
+
+
+def offer_steps(ledger: Ledger) -> tuple[RestoreOffer | NoOffer, int]:
+    """The offer, and how many SQLite virtual machine steps reading it took."""
+    steps = [0]
+
+    def count() -> int:
+        steps[0] += 1
+        return 0
+
+    with ledger.transaction("reading the offer of") as conn:
+        driver = conn.connection.driver_connection
+        driver.set_progress_handler(count, 1)
+        try:
+            offer = newest_offer(conn, SMALL, CHECKPOINT)
+        finally:
+            driver.set_progress_handler(None, 1)
+    return offer, steps[0]
+
+
+def test_the_offer_reads_what_its_version_rests_on_in_steps_that_do_not_grow_with_history(
+    tmp_path: Path,
+) -> None:
+    """The map, its fingerprints and the chain links of the start and of the version's event:
+    per layer and per link, so 400 versions cost the SQLite steps 4 versions do (a walk of the
+    history would take 100 times more)."""
+    measured = {}
+    for moves in (4, 400):
+        fingerprinted_ledger(tmp_path / f"l{moves}.sqlite", moves)
+        ledger = open_ledger(tmp_path / f"l{moves}.sqlite")  # the daemon's next start
+        offer, measured[moves] = offer_steps(ledger)
+        ledger.close()
+        assert isinstance(offer, RestoreOffer) and offer.version == moves
+        assert offer.recorded is not None and sorted(offer.recorded.layers) == list(range(8))
+    assert measured[400] <= measured[4] * 1.1, measured
+
+
+def test_an_edit_the_offered_version_does_not_rest_on_is_left_to_verify(tmp_path: Path) -> None:
+    """An attach's row edited: the offered rows, their digest and the events they rest on hold,
+    so the offer stands; ``verify`` (the whole chain) names the edit."""
+    path = tmp_path / "l.sqlite"
+    moved_ledger(path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE events SET reason = 'edited' WHERE kind = 'attach'")
+    offer = offered(path)
+    assert isinstance(offer, RestoreOffer) and offer.version == 2
+    assert any("chain" in problem for problem in verified(path)), verified(path)
 
 
 @pytest.mark.parametrize(

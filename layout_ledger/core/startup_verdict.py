@@ -118,7 +118,6 @@ def decide(findings: Sequence[RankFinding]) -> Decision:
             return FailStartup(_failure_text(kind, failed))
 
     recording = [f for f in ordered if f.kind is FindingKind.RECORD]
-    records = [_record_of(f) for f in recording]
 
     if len({(f.version, f.digest) for f in recording}) > 1:
         return FailStartup(
@@ -130,7 +129,9 @@ def decide(findings: Sequence[RankFinding]) -> Decision:
 
     without = [f for f in ordered if f.kind in _WITHOUT_RECORD]
     if not without:
-        return records[0]
+        # One version and digest, so one map: only the first record needs to carry it (an
+        # engine's ranks gather no map where the digests agree; each puts its own in).
+        return _record_of(recording[0])
 
     if recording:
         moved = [f for f in recording if f.version != 0]

@@ -76,12 +76,15 @@ def fingerprints_digest(rows: Sequence[tuple[int, int, str]]) -> str:
 _VERSIONED = ", ".join(f"'{kind}'" for kind in VERSIONED_KINDS)
 # The kinds above as an SQL list (``kind IN (...)``).
 VERSIONED_SQL = _VERSIONED
-_CHAIN_ROWS = (
+# An event's id, its chain fields, its stored chain value and its version's fingerprints digest.
+_CHAIN_SELECT = (
     f"SELECT e.event_id, {', '.join('e.' + name for name in FIELDS)}, e.chain, "
     "v.fingerprints_digest FROM events e LEFT JOIN versions v "
     "ON v.incarnation_id = e.incarnation_id AND v.version = e.new_version "
-    f"AND e.kind IN ({_VERSIONED}) WHERE e.event_id >= ? ORDER BY e.event_id"
+    f"AND e.kind IN ({_VERSIONED}) "
 )
+_CHAIN_ROWS = _CHAIN_SELECT + "ORDER BY e.event_id"
+_ONE_ROW = _CHAIN_SELECT + "WHERE e.event_id = ?"
 _STORED_BEFORE = "SELECT chain FROM events WHERE event_id < ? ORDER BY event_id DESC LIMIT 1"
 
 
@@ -95,20 +98,35 @@ class ChainWalk:
     broken_at: int | None
 
 
-def walk(conn: Connection, first_event: int = 0) -> ChainWalk:
+def walk(conn: Connection) -> ChainWalk:
     """Recompute every event's chain value from the one before it and its own fields (with its
     version's fingerprints digest for a start, commit or repair); stop at the first break.
-    ``verify`` walks the whole chain; a restore the events from its incarnation's first
-    (``first_event``) on, from the value stored before it: what the restored version rests on,
-    in time that grows with that incarnation's events, not with the ledger's history."""
+    ``verify`` walks the whole chain; a restore checks only the links it rests on
+    (``first_broken_link``)."""
     previous = GENESIS
-    if first_event:
-        stored_before = conn.exec_driver_sql(_STORED_BEFORE, (first_event,)).scalar()
-        previous = GENESIS if stored_before is None else str(stored_before)
     count = 0
-    for event_id, *fields, stored, digest in conn.exec_driver_sql(_CHAIN_ROWS, (first_event,)):
+    for event_id, *fields, stored, digest in conn.exec_driver_sql(_CHAIN_ROWS):
         expected = link(previous, fields, digest)
         if stored != expected:
             return ChainWalk(count, previous, int(event_id))
         previous, count = expected, count + 1
     return ChainWalk(count, previous, None)
+
+
+def first_broken_link(conn: Connection, event_ids: Sequence[int]) -> int | None:
+    """The first of ``event_ids`` whose stored chain value does not follow from the value
+    stored before it and its own fields (None: every one holds).
+
+    What a walk checks at each of these rows, without walking to them: a row edited, or a row
+    inserted or deleted just before it, breaks its link. Two index seeks a row, whatever the
+    history's length (``verify`` walks the whole chain)."""
+    for event_id in sorted(set(event_ids)):
+        row = conn.exec_driver_sql(_ONE_ROW, (event_id,)).first()
+        if row is None:
+            return event_id
+        _, *fields, stored, digest = row
+        stored_before = conn.exec_driver_sql(_STORED_BEFORE, (event_id,)).scalar()
+        previous = GENESIS if stored_before is None else str(stored_before)
+        if stored != link(previous, fields, digest):
+            return event_id
+    return None

@@ -7,12 +7,15 @@ the same geometry, with a checkpoint identity, and its rows verify (a new checkp
 geometry keeps the placement: the offer names the identity its incarnation loaded, and
 ``store.baseline`` says what the new load is checked against):
 
-- the events' hash chain, recomputed over that incarnation's events (``chain.walk`` from its
-  first event, on the value stored before it: ``verify`` walks the whole chain), does not
-  break;
-- the event that wrote the version (its start, commit or repair) names the digest its
-  ``versions`` row records;
+- the events' hash chain holds at the events the version rests on: that incarnation's start
+  and the event that wrote the version (its last start, commit, repair or reload), each link
+  recomputed from the value stored before it (``chain.first_broken_link``; ``verify`` walks
+  the whole chain);
+- that event wrote the version its ``versions`` row records last, and names its digest;
 - the map rebuilt from the rows at that version gives that digest.
+
+Its cost grows with the layers, never with the history (docs/design.md "Restoring the
+layout"): the newest row of each layer, the fingerprints beside them, and a few index seeks.
 
 Otherwise it says why there is nothing to restore (``NoOffer``), or raises
 ``LedgerInconsistent`` for rows that do not verify. The offer carries the daemon's own slot
@@ -23,8 +26,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Row, text
 
 from layout_ledger.core.content import LocalFingerprints
 from layout_ledger.core.errors import DamagedRow, LedgerError, LedgerInconsistent
@@ -88,26 +92,23 @@ def _verified_offer(conn: Connection, inc: Incarnation) -> RestoreOffer:
     i = inc.incarnation_id
     try:
         version, digest = current_version(conn, i)
-        first_event = conn.execute(
-            text("SELECT min(event_id) FROM events WHERE incarnation_id = :i"), {"i": i}
-        ).scalar()
-        walked = chain.walk(conn, int(first_event or 0))
-        if walked.broken_at is not None:
+        start, written = _resting_events(conn, i)
+        broken = chain.first_broken_link(conn, [start, written.event_id])
+        if broken is not None:
             raise LedgerInconsistent(
-                f"the events' chain breaks at event #{walked.broken_at} (a row was edited, "
-                f"inserted or deleted)"
+                f"the events' chain breaks at event #{broken} (a row was edited, inserted or "
+                f"deleted)"
             )
-        written = conn.execute(
-            text(
-                "SELECT digest_after FROM events WHERE incarnation_id = :i AND new_version = :v "
-                f"AND kind IN ({chain.VERSIONED_SQL}) ORDER BY event_id DESC LIMIT 1"
-            ),
-            {"i": i, "v": version},
-        ).scalar()
-        if written != digest:
+        if written.new_version != version:
+            raise LedgerInconsistent(
+                f"incarnation {i}: its newest versions row is version {version}, but the last "
+                f"event that wrote a version (event #{written.event_id}, {written.kind}) wrote "
+                f"version {written.new_version}"
+            )
+        if written.digest_after != digest:
             raise LedgerInconsistent(
                 f"incarnation {i} version {version}: its versions row records digest "
-                f"{digest[:12]} but the event that wrote it names {str(written)[:12]}"
+                f"{digest[:12]} but the event that wrote it names {str(written.digest_after)[:12]}"
             )
         row_jsons = row_jsons_at(conn, inc, version)
         if digest_of_row_jsons(row_jsons) != digest:
@@ -122,6 +123,26 @@ def _verified_offer(conn: Connection, inc: Incarnation) -> RestoreOffer:
     except LedgerError as exc:
         raise LedgerInconsistent(f"incarnation {i}: {exc}") from exc
     return RestoreOffer(i, version, digest, the_map, recorded, inc.checkpoint_digest)
+
+
+# The newest event of one kind in an incarnation: one seek in ix_events_incarnation_kind.
+_LAST_OF_KIND = text("SELECT max(event_id) FROM events WHERE incarnation_id = :i AND kind = :kind")
+_FIRST_START = text("SELECT min(event_id) FROM events WHERE incarnation_id = :i AND kind = 'start'")
+_EVENT = text("SELECT event_id, kind, new_version, digest_after FROM events WHERE event_id = :e")
+
+
+def _resting_events(conn: Connection, i: int) -> tuple[int, Row[Any]]:
+    """The incarnation's start event's id and the row of its last event that wrote a version
+    (each found by index seeks: ``versions`` are written in order, so the newest is the last
+    written); ``LedgerInconsistent`` when either is missing."""
+    start = conn.execute(_FIRST_START, {"i": i}).scalar()
+    last = [
+        conn.execute(_LAST_OF_KIND, {"i": i, "kind": k}).scalar() for k in chain.VERSIONED_KINDS
+    ]
+    newest = max((int(e) for e in last if e is not None), default=None)
+    if start is None or newest is None:
+        raise LedgerInconsistent(f"incarnation {i} has no start event; run `layout-ledger verify`")
+    return int(start), conn.execute(_EVENT, {"e": newest}).one()
 
 
 def _row(text_: str) -> object:

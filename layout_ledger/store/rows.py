@@ -194,11 +194,13 @@ def reconstructible_from(conn: Connection, incarnation_id: int) -> int:
 # One statement, one index seek per layer: for each layer 0..n-1, the newest row at or before
 # the version (the unique (incarnation_id, layer, version) index, searched backwards). Its cost
 # grows with the number of layers and the index's depth, never with the history's length.
-_ROWS_AT = text(
+_LAYERS = (
     "WITH RECURSIVE layers(layer) AS ("
     "  SELECT 0 UNION ALL SELECT layer + 1 FROM layers WHERE layer + 1 < :n"
     ") "
-    "SELECT layer, ("
+)
+_ROWS_AT = text(
+    _LAYERS + "SELECT layer, ("
     "  SELECT slots FROM layout_rows"
     "  WHERE incarnation_id = :i AND layer = layers.layer AND version <= :v"
     "  ORDER BY version DESC LIMIT 1"
@@ -222,16 +224,24 @@ def row_jsons_at(conn: Connection, inc: Incarnation, version: int) -> list[str]:
     return jsons
 
 
+# Per layer, the version of its row in effect at :v and the fingerprint row beside it: one seek
+# in each unique (incarnation_id, layer, version) index per layer, as _ROWS_AT.
 _FINGERPRINTS_AT = text(
-    "WITH written AS ("
-    "  SELECT r.layer, max(r.version) AS version FROM layout_rows r"
-    "  WHERE r.incarnation_id = :i AND r.version <= :v GROUP BY r.layer"
+    _LAYERS + ", written AS ("
+    "  SELECT layer, ("
+    "    SELECT version FROM layout_rows"
+    "    WHERE incarnation_id = :i AND layer = layers.layer AND version <= :v"
+    "    ORDER BY version DESC LIMIT 1"
+    "  ) AS version FROM layers"
     ") SELECT w.layer, w.version, f.row_id, f.first_slot, f.fingerprints FROM written w "
     "LEFT JOIN slot_fingerprints f ON f.incarnation_id = :i AND f.layer = w.layer "
-    "AND f.version = w.version ORDER BY w.layer"
+    "AND f.version = w.version WHERE w.version IS NOT NULL ORDER BY w.layer"
 )
+# The layers with any fingerprint row: one seek per layer.
 _FINGERPRINTED_LAYERS = text(
-    "SELECT DISTINCT layer FROM slot_fingerprints WHERE incarnation_id = :i"
+    _LAYERS + "SELECT layer FROM layers WHERE EXISTS ("
+    "  SELECT 1 FROM slot_fingerprints WHERE incarnation_id = :i AND layer = layers.layer"
+    ")"
 )
 
 
@@ -243,13 +253,13 @@ def fingerprints_at(conn: Connection, inc: Incarnation, version: int) -> LocalFi
     fingerprint row beside it, or a row that is not a JSON list of fingerprints, raises
     ``LedgerInconsistent`` (the ledger fails ``verify``).
     """
+    n, i = inc.geometry.num_layers, inc.incarnation_id
     fingerprinted = {
-        int(layer)
-        for (layer,) in conn.execute(_FINGERPRINTED_LAYERS, {"i": inc.incarnation_id}).all()
+        int(layer) for (layer,) in conn.execute(_FINGERPRINTED_LAYERS, {"n": n, "i": i}).all()
     }
     if not fingerprinted:
         return None
-    rows = conn.execute(_FINGERPRINTS_AT, {"i": inc.incarnation_id, "v": version}).all()
+    rows = conn.execute(_FINGERPRINTS_AT, {"n": n, "i": i, "v": version}).all()
     layers: dict[int, tuple[str, ...]] = {}
     first_slots = set()
     for layer, written, row_id, first_slot, values in rows:

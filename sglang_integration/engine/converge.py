@@ -50,6 +50,7 @@ from sglang_integration.engine.converge_decisions import (
     plan_convergence,
     why_reload,
 )
+from sglang_integration.engine.finding_gather import gather_findings, world_gather
 from sglang_integration.engine.reply_gather import all_gather_small
 from sglang_integration.engine.startup_repair import StartupRank, read_content
 from sglang_integration.upstream_lines import UpstreamLine
@@ -291,8 +292,8 @@ def _read_again(
             reason=f"query {reply.outcome.value}: {reply.reason}",
         )
     content = read_content(this.socket_path, finding, rank=this.rank, mode=this.mode)
-    gathered = world.all_gather_object((finding, content))
-    return [f for f, _ in gathered], [c for _, c in gathered]
+    gathered = gather_findings(world_gather(world), finding, content)
+    return gathered.findings, gathered.contents
 
 
 def _attached(socket_path: str) -> tuple[str, ...]:

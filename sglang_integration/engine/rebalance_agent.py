@@ -42,7 +42,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,6 +67,8 @@ THREAD_NAME = "expert-layout-rebalance-agent"
 POLL_SECONDS = 0.0005
 # The plugin group's collectives fail after this many seconds (a peer whose agent is gone).
 GROUP_TIMEOUT = 120.0
+# Seconds a group being dropped waits for the all-gather that connects it (a peer gone).
+CONNECTED_WAIT = 5.0
 
 
 class RankLayoutClient(Protocol):
@@ -88,27 +90,57 @@ class RankLayoutClient(Protocol):
 
 class PluginGroup:
     """The plugin's own gloo group over the engine's world ranks, in the shape
-    ``all_gather_small`` reads (``world_size``, ``cpu_group``, ``all_gather_object``)."""
+    ``all_gather_small`` reads (``world_size``, ``rank_in_group``, ``ranks``, ``cpu_group``);
+    ``ranks``: the global ranks, the world group's (0 .. world_size - 1 when not given)."""
 
-    def __init__(self, cpu_group: Any, world_size: int, rank_in_group: int) -> None:
+    def __init__(
+        self,
+        cpu_group: Any,
+        world_size: int,
+        rank_in_group: int,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
         self.cpu_group = cpu_group
         self.world_size = world_size
         self.rank_in_group = rank_in_group
+        self.ranks = list(range(world_size)) if ranks is None else list(ranks)
 
-    def all_gather_object(self, value: Any) -> list[Any]:
-        import torch.distributed as dist
+        self._connecting: threading.Thread | None = None
 
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self.cpu_group)
-        return gathered
+    def connect_in_the_background(self) -> None:
+        """One all-gather on a thread of its own, every rank at once, so that a group made with
+        lazy connections (``create_group``) connects the pairs the agents' all-gathers use
+        while the engine starts, not at its first rebalance; ``all_gather`` waits for it."""
+        if self.world_size <= 1:
+            return
+
+        def connect() -> None:
+            try:
+                all_gather_small(self, None)
+            except Exception:  # the agents' first all-gather fails the same way, and says so
+                logger.warning("connecting the rebalance agents' group failed", exc_info=True)
+
+        self._connecting = threading.Thread(
+            target=connect, name="expert-layout-agents-connect", daemon=True
+        )
+        self._connecting.start()
 
     def all_gather(self, value: Any) -> list[Any]:
+        self._connected(GROUP_TIMEOUT)
         return all_gather_small(self, value)
+
+    def _connected(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the background all-gather to end."""
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:
+            connecting.join(timeout)
 
     def destroy(self) -> None:
         """Drop this rank's end of the group; a peer's collective in flight fails."""
         import torch.distributed as dist
 
+        # Not while its own first all-gather is on the wire, unless a peer never joins it.
+        self._connected(CONNECTED_WAIT)
         group, self.cpu_group = self.cpu_group, None
         if group is not None and self.world_size > 1:
             try:
@@ -132,12 +164,19 @@ def create_group(world: Any) -> PluginGroup:
     """Make the plugin's gloo group over ``world``'s ranks (sglang's world ``GroupCoordinator``).
 
     A collective: every rank calls it at the same point of the startup (``startup``), after
-    sglang made its own groups, when sglang runs an ``EPLBManager`` (``--enable-eplb``).
+    sglang made its own groups, when sglang runs an ``EPLBManager`` (``--enable-eplb``). Its
+    pairs connect lazily (one store barrier makes it, whatever the ranks), and one all-gather on
+    a thread of its own connects the ones the agents use while the engine starts
+    (``PluginGroup.connect_in_the_background``): gloo's full mesh of ``EP - 1`` connections a
+    rank, each through the store, is no longer part of the start.
     """
     from sglang_integration.engine.gloo_groups import new_gloo_group
 
-    cpu_group = new_gloo_group(world, GROUP_TIMEOUT)
-    group = PluginGroup(cpu_group, int(world.world_size), int(world.rank_in_group))
+    cpu_group = new_gloo_group(world, GROUP_TIMEOUT, connect_lazily=True)
+    group = PluginGroup(
+        cpu_group, int(world.world_size), int(world.rank_in_group), [int(r) for r in world.ranks]
+    )
+    group.connect_in_the_background()
     if _ThisRank.group is not None:
         _ThisRank.group.destroy()
     _ThisRank.group = group

@@ -1,13 +1,22 @@
-"""All-gather of a small object over a gloo group in one collective, for the per-chunk path.
+"""All-gather of small objects over a gloo group through its first rank: a few steps at any size.
 
-``torch.distributed.all_gather_object`` runs two collectives: the pickled sizes, then the bytes
-padded to the largest. A chunk's begin and commit replies are small (a trimmed ``Reply`` pickles
-to a few hundred bytes), so each rank sends a fixed ``SLOT_BYTES`` buffer instead: a 4-byte
-length and the pickle, one collective (docs/benchmarks.md has what each costs).
+The engine's ranks all-gather small values: the findings that decide a start
+(``finding_gather``), each rebalance chunk's begin and commit replies (the agents', on their
+own group, and the converging move's). ``torch.distributed.all_gather_object`` runs two ring
+collectives, the pickled sizes then the pickles padded to the largest; gloo's ring
+(``allgather.cc``) takes ``EP - 1`` steps, each waiting for the rank before. A gather sends each
+rank's buffer straight to the root (one step) and gloo's broadcast is a binomial tree
+(``broadcast.cc``, ``ceil(log2 EP)`` steps), so a gather to the group's first rank and its
+broadcast of every rank's buffer take ``1 + ceil(log2 EP)`` steps: 3 at EP 4 and 7 at EP 64,
+where ``all_gather_object`` takes 6 and 126 (docs/benchmarks.md has what each costs). Every rank
+still receives every rank's bytes: ``EP`` slots, linear in the ranks.
 
-Every rank sees every length, so a value too large for its slot on any rank makes all of them
-take the same fallback (``all_gather_object``) and no rank is left in a collective alone. The
-bytes are pickles from the engine's own ranks, as ``all_gather_object``'s are.
+Each rank sends a fixed ``SLOT_BYTES`` slot: a 4-byte length, then its pickle when it fits (a
+trimmed ``Reply`` or a start's finding pickles to a few hundred bytes). Every rank sees every
+length, so when a pickle did not fit (a content finding with the recorded fingerprints of its
+rank's slots) every rank takes the same second round, its pickle padded to the longest,
+gathered and broadcast the same way, and no rank is left in a collective alone. The bytes are
+pickles from the engine's own ranks, as ``all_gather_object``'s are.
 """
 
 from __future__ import annotations
@@ -15,32 +24,53 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-SLOT_BYTES = 1024
+SLOT_BYTES = 2048
 _LENGTH_BYTES = 4
 
 
 def all_gather_small(group: Any, value: Any) -> list[Any]:
-    """``group.all_gather_object(value)`` (sglang's ``GroupCoordinator``), in one collective."""
-    import torch
-    import torch.distributed as dist
-
+    """Every rank's ``value``, in rank order, on every rank of ``group``: what
+    ``group.all_gather_object(value)`` gives, through the group's first rank. ``group`` has the
+    names of sglang's ``GroupCoordinator`` used here: ``world_size``, ``rank_in_group``,
+    ``ranks`` (the global ranks, the first is the root) and ``cpu_group`` (gloo)."""
     world_size = int(group.world_size)
     if world_size == 1:
         return [value]
     payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    fits = len(payload) <= SLOT_BYTES - _LENGTH_BYTES
-    mine = bytearray(SLOT_BYTES)
-    mine[:_LENGTH_BYTES] = len(payload).to_bytes(_LENGTH_BYTES, "little")
-    if fits:
-        mine[_LENGTH_BYTES : _LENGTH_BYTES + len(payload)] = payload
-    slots = [torch.empty(SLOT_BYTES, dtype=torch.uint8) for _ in range(world_size)]
-    dist.all_gather(slots, torch.frombuffer(mine, dtype=torch.uint8), group=group.cpu_group)
-    received = [bytes(slot.numpy()) for slot in slots]
-    lengths = [int.from_bytes(data[:_LENGTH_BYTES], "little") for data in received]
-    if max(lengths) > SLOT_BYTES - _LENGTH_BYTES:
-        gathered: list[Any] = group.all_gather_object(value)
-        return gathered
+    slot = bytearray(SLOT_BYTES)
+    slot[:_LENGTH_BYTES] = len(payload).to_bytes(_LENGTH_BYTES, "little")
+    if len(payload) <= SLOT_BYTES - _LENGTH_BYTES:
+        slot[_LENGTH_BYTES : _LENGTH_BYTES + len(payload)] = payload
+    slots = _through_root(group, slot, world_size)
+    lengths = [int.from_bytes(each[:_LENGTH_BYTES], "little") for each in slots]
+    longest = max(lengths)
+    if longest <= SLOT_BYTES - _LENGTH_BYTES:
+        return [
+            pickle.loads(each[_LENGTH_BYTES : _LENGTH_BYTES + length])
+            for each, length in zip(slots, lengths, strict=True)
+        ]
+    padded = bytearray(longest)
+    padded[: len(payload)] = payload
     return [
-        pickle.loads(data[_LENGTH_BYTES : _LENGTH_BYTES + length])
-        for data, length in zip(received, lengths, strict=True)
+        pickle.loads(each[:length])
+        for each, length in zip(_through_root(group, padded, world_size), lengths, strict=True)
     ]
+
+
+def _through_root(group: Any, mine: bytearray, world_size: int) -> list[bytes]:
+    """Every rank's equally long ``mine``: gathered on the group's first rank, broadcast."""
+    import torch
+    import torch.distributed as dist
+
+    size = len(mine)
+    root = int(group.ranks[0])
+    every = torch.empty(size * world_size, dtype=torch.uint8)
+    parts = (
+        [every[index * size : (index + 1) * size] for index in range(world_size)]
+        if int(group.rank_in_group) == 0
+        else None
+    )
+    dist.gather(torch.frombuffer(mine, dtype=torch.uint8), parts, dst=root, group=group.cpu_group)
+    dist.broadcast(every, src=root, group=group.cpu_group)
+    received = every.numpy().tobytes()
+    return [received[index * size : (index + 1) * size] for index in range(world_size)]

@@ -297,8 +297,12 @@ class StandbyGate:
 
     def _agree_and_adopt(self, grants: Sequence[_Grant]) -> None:
         """Every rank holds its lease: read the daemons' maps, agree, update in place."""
+        from sglang_integration.engine.content_decisions import ContentKind, RankContent
+        from sglang_integration.engine.finding_gather import gather_findings
+
         finding = self._read_finding()
-        findings: list[RankFinding] = self._gather(finding)
+        not_asked = RankContent(self.session.rank, ContentKind.NOT_ASKED)
+        findings = gather_findings(self._gather, finding, not_asked).findings
         decision = decide(findings)
         if isinstance(decision, FailStartup):
             self._release_quietly()
@@ -365,6 +369,7 @@ class StandbyGate:
     def _settle_dirty(self, grants: Sequence[_Grant]) -> None:
         """A daemon refused the lease (dirty, or not knowing this standby): startup's rule,
         with startup's repair (``startup_repair.settle``), on every rank together."""
+        from sglang_integration.engine.finding_gather import gather_findings
         from sglang_integration.engine.startup_repair import StartupRank, read_content, settle
         from sglang_integration.settings import content_check
 
@@ -384,11 +389,9 @@ class StandbyGate:
         content = read_content(
             self.session.socket_path, finding, rank=self.session.rank, mode=this.mode
         )
-        gathered = self._gather((finding, content))
-        findings = [each for each, _ in gathered]
-        decision, _ = settle(
-            self.world, decide(findings), findings, [each for _, each in gathered], this
-        )
+        gathered = gather_findings(self._gather, finding, content)
+        findings = gathered.findings
+        decision, _ = settle(self.world, decide(findings), findings, gathered.contents, this)
         if isinstance(decision, FailStartup):
             raise ExpertLayoutStartupError(decision.reason)
         refused = [g for g in grants if g.outcome in ("dirty", "error")]

@@ -39,6 +39,7 @@ from layout_ledger.wire.protocol import LayoutView, Outcome
 from sglang_integration.engine import client
 from sglang_integration.engine.converge import PendingConvergence, converge_at_startup
 from sglang_integration.engine.converge_decisions import ConvergeByMove, needs_convergence
+from sglang_integration.engine.finding_gather import gather_findings, world_gather
 from sglang_integration.engine.rebalance_agent import create_group
 from sglang_integration.engine.startup_repair import StartupRank, read_content, settle
 from sglang_integration.settings import ROLE, ROLE_ACTIVE, ROLE_STANDBY, WAIT_TIMEOUT, content_check
@@ -192,7 +193,9 @@ def start_from_daemon_layout(
        move ends, for at most ``settings.WAIT_TIMEOUT`` seconds (``read_daemon``);
     4. with the content check on, it asks its daemon for its slots' content
        (``startup_repair.read_content``);
-    5. the ranks all-gather what they found and all compute the same
+    5. the ranks all-gather what they found, what the decision needs
+       (``finding_gather.gather_findings``: versions and digests; a map only where daemons
+       disagree, the slots' current content only where one is dirty), and all compute the same
        ``layout_ledger.core.startup_verdict.decide``; clean daemons at different layouts are
        brought to the newest (``converge.converge_at_startup``: reloads now, a move once the
        weights are loaded, ``converge.move_after_load``); then ``startup_repair.settle``: daemons an
@@ -235,9 +238,8 @@ def start_from_daemon_layout(
     )
     role = _granted_role(asked_role, attachment)
     content = read_content(socket_path, finding, rank=rank, mode=this.mode)
-    gathered = world.all_gather_object((finding, content, role))
-    findings = [each for each, _, _ in gathered]
-    contents = [each for _, each, _ in gathered]
+    gathered = gather_findings(world_gather(world), finding, content, role)
+    findings, contents = gathered.findings, gathered.contents
     local = int(metadata.num_local_physical_experts)
     try:
         first: Decision | ConvergeByMove = decide(findings)
@@ -287,7 +289,7 @@ def start_from_daemon_layout(
         start_standby(
             session=session,
             world=world,
-            roles=[each for _, _, each in gathered],
+            roles=gathered.extras,
             model_config=model_config,
             metadata=metadata,
             moe_ep_rank=moe_ep_rank,
