@@ -124,6 +124,9 @@ def eplb_server_args(interval: int, window: int | None = None) -> tuple[tuple[st
 class Pass:
     kind: str  # "extend" or "decode"
     seconds: float  # the slower rank's
+    cpu_seconds: float  # the ranks' main threads' CPU time, mean
+    run_delay: float  # the ranks' main threads' wait for a CPU while runnable, mean
+    waits: float  # the rest of the ranks' pass (the GIL, the other rank's collectives), mean
     moved_layers: int
     move_seconds: float  # the slower rank's move
 
@@ -135,6 +138,12 @@ class EngineRecord:
     round_steps: list[list[float]] = field(default_factory=list)
     tokens: dict[int, list[list[int]]] = field(default_factory=dict)  # by segment id
     state: str = ""  # the plugin's rebalance state after the last round
+    # CPU seconds over the timed rounds: both rank processes (every thread), the plugin's agent
+    # threads among them, and the engine's daemons; and the times the agents were put on a CPU.
+    rank_cpu: float = 0.0
+    agent_cpu: float = 0.0
+    agent_slices: int = 0
+    daemon_cpu: float = 0.0
 
 
 def merge_ranks(replies: Sequence[dict[str, Any]]) -> list[Pass]:
@@ -146,15 +155,18 @@ def merge_ranks(replies: Sequence[dict[str, Any]]) -> list[Pass]:
     merged = []
     for records in zip(*per_rank, strict=True):
         kinds = {r[0] for r in records}
-        layers = {r[2] for r in records}
+        layers = {r[4] for r in records}
         if len(kinds) != 1 or len(layers) != 1:
             raise RuntimeError(f"the ranks disagree on a pass: {records}")
         merged.append(
             Pass(
                 kinds.pop(),
                 max(r[1] for r in records),
+                statistics.fmean(r[2] for r in records),
+                statistics.fmean(r[3] for r in records),
+                statistics.fmean(r[1] - r[2] - r[3] for r in records),
                 layers.pop(),
-                max(r[3] for r in records),
+                max(r[5] for r in records),
             )
         )
     return merged
@@ -191,18 +203,26 @@ def summarize(on: EngineRecord, off: EngineRecord) -> Summary:
         plain = decode_steps(record.passes, chunk=False)
         chunked = [p for p in record.passes if p.kind == "decode" and p.moved_layers > 0]
         moves = [p.move_seconds for p in record.passes if p.moved_layers > 0]
+        plain_passes = [p for p in record.passes if p.kind == "decode" and p.moved_layers == 0]
         steps[name] = {
             "decode steps": len(all_steps),
             "median step": median(all_steps),
             "steps without a chunk": len(plain),
             "median without a chunk": median(plain),
             "p90 without a chunk": _quantile(plain, 0.9),
+            "cpu without a chunk": median([p.cpu_seconds for p in plain_passes]),
+            "run delay without a chunk": median([p.run_delay for p in plain_passes]),
+            "waits without a chunk": median([p.waits for p in plain_passes]),
             "steps with a chunk": len(chunked),
             "median with a chunk": median([p.seconds for p in chunked]),
             "max with a chunk": max((p.seconds for p in chunked), default=None),
             "chunks": sum(1 for p in record.passes if p.moved_layers > 0),
             "median move": median(moves),
             "max move": max(moves, default=None),
+            "rank cpu per pass": record.rank_cpu / max(1, len(record.passes)),
+            "agent cpu per pass": record.agent_cpu / max(1, len(record.passes)),
+            "agent slices per pass": round(record.agent_slices / max(1, len(record.passes)), 1),
+            "daemon cpu per pass": record.daemon_cpu / max(1, len(record.passes)),
             "extend passes": sum(1 for p in record.passes if p.kind == "extend"),
             "median extend": median([p.seconds for p in record.passes if p.kind == "extend"]),
         }
@@ -266,6 +286,9 @@ def report(summary: Summary, tokens: dict[str, str], meta: dict[str, Any]) -> st
         ("steps without a chunk", "steps without a chunk", False),
         ("median without a chunk", "median without a chunk", True),
         ("p90 without a chunk", "p90 without a chunk", True),
+        ("  of which the main thread's CPU time, median", "cpu without a chunk", True),
+        ("  its wait for a CPU (run delay), median", "run delay without a chunk", True),
+        ("  the rest (GIL, the other rank), median", "waits without a chunk", True),
         ("steps that carried a chunk", "steps with a chunk", False),
         ("a chunk's pass, median", "median with a chunk", True),
         ("a chunk's pass, max", "max with a chunk", True),
@@ -273,6 +296,10 @@ def report(summary: Summary, tokens: dict[str, str], meta: dict[str, Any]) -> st
         ("the move itself (sglang's updater), median", "median move", True),
         ("the move itself, max", "max move", True),
         ("prefill (EXTEND) pass, median (not a decode step)", "median extend", True),
+        ("CPU per pass, both rank processes (every thread)", "rank cpu per pass", True),
+        ("  of which the plugin's agent threads", "agent cpu per pass", True),
+        ("  the agents put on a CPU, times per pass", "agent slices per pass", False),
+        ("CPU per pass, the engine's daemons", "daemon cpu per pass", True),
     )
     for label, key, timed in rows:
         if timed:
@@ -318,13 +345,27 @@ def segments_of(round_index: int, per_round: int, new_tokens: int, vocab: int) -
     from sglang_integration.testing.prompts import load_prompts
 
     first = round_index * per_round
-    return [
-        (first + j, load_prompts(SEED, first + j, vocab), new_tokens) for j in range(per_round)
-    ]
+    return [(first + j, load_prompts(SEED, first + j, vocab), new_tokens) for j in range(per_round)]
 
 
-def run_round(engine: Any, segments: list[Any], record: EngineRecord) -> None:
+def process_cpu_seconds(pid: int) -> float:
+    """A process's CPU seconds (user and system, every thread) from ``/proc/PID/stat``."""
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        stat = handle.read(4096)
+    fields = stat[stat.rindex(b")") + 2 :].split()  # after the command's name
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_round(engine: Any, segments: list[Any], record: EngineRecord, daemons: Any = None) -> None:
+    pids = [] if daemons is None else [p.pid for p in daemons.processes]
+    daemon_cpu = sum(process_cpu_seconds(pid) for pid in pids)
     replies = engine.decode_segments([(prompts, new) for _, prompts, new in segments])
+    record.daemon_cpu += sum(process_cpu_seconds(pid) for pid in pids) - daemon_cpu
+    record.rank_cpu += sum(reply["process_cpu"] for reply in replies)
+    for reply in replies:
+        if reply["agent"] is not None:
+            record.agent_cpu += reply["agent"][0]
+            record.agent_slices += int(reply["agent"][2])
     if replies[0]["tokens"] != replies[1]["tokens"]:
         raise RuntimeError(f"engine {engine.spec.name}: the ranks decoded different tokens")
     passes = merge_ranks(replies)
@@ -401,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
         }
         handles = {}
+        daemons = {"on": groups[0], "off": groups[1]}
         for name, engine_spec in specs.items():
             engine = CpuEngine.launch(engine_spec)
             engines.append(engine)
@@ -416,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             segments = segments_of(round_index, args.segments, args.new_tokens, vocab)
             order = ("on", "off") if round_index % 2 == 0 else ("off", "on")
             for name in order:
-                run_round(handles[name], segments, records[name])
+                run_round(handles[name], segments, records[name], daemons[name])
                 time.sleep(SETTLE_SECONDS)
             print(f"round {round_index + 1}/{args.rounds} done", flush=True)
         for engine in engines:

@@ -7,79 +7,130 @@ An engine that serves runs one forward pass after another, and sglang's EPLB reb
 ``eplb_rebalance_layers_per_chunk`` set its chunks move one per pass end (with the plugin, at the
 pass its agent's result is due). ``decode_segments`` runs that: segment after segment (an EXTEND
 over the segment's prompts, then one DECODE per new token, ``greedy.GreedyDecoder.generate``),
-with the manager's own pass generator active (nothing drives the rebalances but the passes). Per
-pass it returns the seconds ``ModelRunner.forward`` took (the plugin's hook on it included) and
-the layers a chunk moved at its end with the seconds that move took: ``MoveClock`` wraps the
-rank's expert location updater, which sglang's rebalance and the plugin's both call once per
-chunk (``eplb_manager.update_expert_location_with_recovery``), and reads the runner's
-``forward_pass_id`` (``ModelRunner.forward`` counts it before the pass) to know the pass.
+with the manager's own pass generator active (nothing drives the rebalances but the passes).
+
+``PassClock`` stands, for the call, in front of the decoder's ``forward`` (sglang's
+``ModelRunner.forward``, the plugin's hook on it included) and of the rank's expert location
+updater, which sglang's rebalance and the plugin's both call once per chunk
+(``eplb_manager.update_expert_location_with_recovery``). Per pass it records the kind, the wall
+seconds, the main thread's CPU seconds and its wait for a CPU while runnable (the kernel's run
+delay, ``/proc/thread-self/schedstat``; 0 where there is none), and the layers a chunk moved at
+the pass's end with the seconds that move took. The rest of a pass's wall time is waiting: for
+the GIL, for the other rank in a collective.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 # What one pass's record holds, in this order (a list per pass keeps the pipe's pickle small).
-PASS_FIELDS = ("kind", "seconds", "moved_layers", "move_seconds")
+PASS_FIELDS = ("kind", "seconds", "cpu_seconds", "run_delay", "moved_layers", "move_seconds")
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def run_delay() -> float:
+    """Seconds the calling thread has waited for a CPU while runnable (0 without schedstat)."""
+    return thread_schedstat(_SCHEDSTAT)[1]
+
+
+def thread_schedstat(path: str) -> tuple[float, float, int]:
+    """A thread's schedstat: seconds on a CPU, seconds waiting for one while runnable, and the
+    times it was put on a CPU (zeros where the file is missing)."""
+    try:
+        with open(path, "rb") as handle:
+            fields = handle.read(128).split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9, int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return 0.0, 0.0, 0
+
+
+def _agent_schedstat() -> tuple[float, float, int] | None:
+    """The plugin's rebalance agent thread's schedstat in this rank; None without one."""
+    from sglang_integration.engine.rebalance_agent import current_agent
+
+    agent = current_agent()
+    if agent is None or agent.native_id is None:
+        return None
+    return thread_schedstat(f"/proc/self/task/{agent.native_id}/schedstat")
+
+
+def _process_cpu() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 @dataclass
-class _Move:
-    layers: int
-    seconds: float
+class PassClock:
+    """The timed ``forward`` and ``update`` of one ``decode_segments`` call (the module
+    docstring)."""
 
+    forward: Any  # the decoder's own forward
+    updater: Any  # sglang's ExpertLocationUpdater (the rank's StoppableUpdater's inner)
+    passes: list[list[Any]] = field(default_factory=list)
+    _moved_layers: int = 0
+    _move_seconds: float = 0.0
 
-@dataclass
-class MoveClock:
-    """Stands between the rank's updater and sglang's ``ExpertLocationUpdater``: times each
-    ``update`` (one chunk's move) and files it under the pass that runs it."""
-
-    inner: Any
-    runner: Any  # greedy._Runner: its forward_pass_id is the pass being run
-    moves: dict[int, list[_Move]] = field(default_factory=dict)
+    def timed_forward(self, forward_batch: Any) -> Any:
+        self._moved_layers, self._move_seconds = 0, 0.0
+        kind = "decode" if forward_batch.forward_mode.is_decode() else "extend"
+        delay, cpu = run_delay(), time.thread_time()
+        started = time.perf_counter()
+        output = self.forward(forward_batch)
+        seconds = time.perf_counter() - started
+        self.passes.append(
+            [
+                kind,
+                seconds,
+                time.thread_time() - cpu,
+                run_delay() - delay,
+                self._moved_layers,
+                self._move_seconds,
+            ]
+        )
+        return output
 
     def update(self, routed_experts_weights_of_layer: Any, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         try:
-            return self.inner.update(routed_experts_weights_of_layer, *args, **kwargs)
+            return self.updater.update(routed_experts_weights_of_layer, *args, **kwargs)
         finally:
-            layers = len(kwargs.get("update_layer_ids", ()))
-            self.moves.setdefault(int(self.runner.forward_pass_id), []).append(
-                _Move(layers, time.perf_counter() - started)
-            )
+            self._moved_layers += len(kwargs.get("update_layer_ids", ()))
+            self._move_seconds += time.perf_counter() - started
 
 
 def decode_segments(
     decoder: Any, updater: Any, segments: Sequence[tuple[Sequence[Sequence[int]], int]]
 ) -> dict[str, Any]:
     """Decode each ``(prompts, new_tokens)`` segment greedily, one after another, with EPLB's own
-    generator running at every pass end; ``updater`` is the rank's ``StoppableUpdater`` (its
-    ``inner`` is timed for the call and restored).
+    generator running at every pass end. ``updater`` is the rank's ``StoppableUpdater``; its
+    ``inner`` and the decoder's ``forward`` are timed for the call and restored.
 
-    Returns ``tokens`` (per segment, per prompt) and ``passes``: one ``PASS_FIELDS`` list per
-    forward pass in order, ``kind`` ``"extend"`` or ``"decode"``."""
-    clock = MoveClock(updater.inner, decoder.runner)
-    updater.inner = clock
+    Returns ``tokens`` (per segment, per prompt), ``passes``: one ``PASS_FIELDS`` list per
+    forward pass in order, ``kind`` ``"extend"`` or ``"decode"``, ``process_cpu``: the CPU
+    seconds of the whole rank process (every thread) over the call, and ``agent``: the plugin's
+    rebalance agent thread's CPU seconds, run delay and times put on a CPU over the call (None
+    without the plugin's agent)."""
+    clock = PassClock(decoder.forward, updater.inner)
+    decoder.forward, updater.inner = clock.timed_forward, clock
     tokens: list[list[list[int]]] = []
-    passes: list[list[Any]] = []
+    cpu, agent = _process_cpu(), _agent_schedstat()
     try:
         for prompts, new_tokens in segments:
-            first = int(decoder.runner.forward_pass_id) + 1
-            decoded = decoder.generate([list(p) for p in prompts], int(new_tokens))
-            tokens.append(decoded.tokens)
-            for offset, seconds in enumerate(decoded.step_seconds):
-                moves = clock.moves.pop(first + offset, [])
-                passes.append(
-                    [
-                        "extend" if offset == 0 else "decode",
-                        seconds,
-                        sum(m.layers for m in moves),
-                        sum(m.seconds for m in moves),
-                    ]
-                )
+            tokens.append(decoder.generate([list(p) for p in prompts], int(new_tokens)).tokens)
     finally:
-        updater.inner = clock.inner
-    return {"tokens": tokens, "passes": passes}
+        updater.inner = clock.updater
+        del decoder.forward  # the class's again
+    agent_after = _agent_schedstat()
+    agent_used = None
+    if agent is not None and agent_after is not None:
+        agent_used = [after - before for after, before in zip(agent_after, agent, strict=True)]
+    return {
+        "tokens": tokens,
+        "passes": clock.passes,
+        "process_cpu": _process_cpu() - cpu,
+        "agent": agent_used,
+    }
