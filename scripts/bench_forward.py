@@ -2,35 +2,40 @@
 """What the plugin adds to an engine's decode step while EPLB rebalances every few steps, and how
 long a rebalance chunk holds a forward pass: one run, side by side.
 
-Two engines of 2 EP ranks (``testing.cpu_engine``: each rank sglang's real model, greedy decoding
-through sglang's ``ModelRunner.forward`` on the CPU, its routed experts mapped from its daemon) on
-model-backed daemons of the same tiny checkpoint (``testing.checkpoint``: 8 MoE layers, float32 so
-the figures are a real model's):
+Engines of 2 EP ranks (``testing.cpu_engine``: each rank sglang's real model, greedy decoding
+through sglang's ``ModelRunner.forward`` on the CPU, its routed experts mapped from its daemon),
+each on its own group of model-backed daemons of the same tiny checkpoint
+(``testing.checkpoint``: 8 MoE layers, float32 so the figures are a real model's):
 
 - **on**: the plugin (its hooks applied in the engine ranks; daemons with the plugin, a ledger
   each): every rebalance two-phase through the daemons, the round trips on each rank's agent;
 - **off**: the plugin disabled (no hook in the engine ranks; daemons ``--without-plugin``):
-  sglang 0.5.23 as it is.
+  sglang 0.5.23 as it is;
+- with ``--handover-ab``, **before**: the plugin with its agent as it was before it slept on its
+  queue between jobs (``testing.polling_agent``: it polled every 0.5 ms for a due commit job).
 
-Both decode continuously (``testing.decode_steps``): segment after segment of 16 skewed prompts
+Each decodes continuously (``testing.decode_steps``): segment after segment of 16 skewed prompts
 (``prompts.load_prompts``, so that real routing asks for new layouts) and ``--new-tokens`` greedy
 tokens each, one forward pass per step, with sglang's own EPLB running from
 ``on_forward_pass_end``: a rebalance every ``--interval`` passes
 (``eplb_rebalance_num_iterations``; ``expert_distribution_recorder_buffer_size`` the same),
 one layer per chunk (``eplb_rebalance_layers_per_chunk=1``), so each chunk's move lands at the end
-of one forward pass. Rounds alternate on / off (the first engine of a round alternates too); both
-engines decode the same segments in a round. Per forward pass: ``ModelRunner.forward``'s seconds
-(the slower rank's), and whether a chunk moved at its end (and that move's own seconds).
+of one forward pass. Rounds take the engines in turn, the first engine of a round rotating; every
+engine decodes the same segments in a round. Per forward pass: ``ModelRunner.forward``'s seconds
+(the slower rank's), the main thread's CPU time and wait for a CPU, and whether a chunk moved at
+its end (and that move's own seconds); per round the CPU time of the rank processes, of the
+plugin's agent threads and of the daemons.
 
 Printed: per engine the median decode step without a chunk, with one, and over all decode
-steps; the plugin's added time per decode step (median on - median off, and as % of the off
-step: goal <= 1%); how long a chunk holds a forward pass (the passes that carried one, on and off,
-median and max, and the move's own time); the rebalances made; the tokens (on against off, and
-against a reference from disk that never rebalances, every segment); the load average. Exit 0
-when the goal is met and the tokens are right, 1 otherwise.
+steps; the plugin's added time per decode step (median on - median off, as % of the off step,
+with a 90% interval from resampling the rounds: goal <= 1%); how long a chunk holds a forward
+pass (the passes that carried one, median and max, beside the step without one, and the move's
+own time); the tokens (on against off, and against a reference from disk that never rebalances,
+every segment); the load average. Exit 0 when the goal is met and the tokens are right, else 1.
 
-    .venv/bin/python scripts/bench_forward.py [--model qwen3_moe|deepseek_v3] [--rounds 10]
-        [--segments 2] [--new-tokens 64] [--interval 10] [--no-reference] [--json OUT]
+    .venv/bin/python scripts/bench_forward.py [--model qwen3_moe|deepseek_v3] [--rounds 24]
+        [--segments 1] [--new-tokens 64] [--interval 10] [--handover-ab] [--no-reference]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -54,15 +60,23 @@ NUM_REDUNDANT = 4
 SEED = 11
 # The goal: the plugin's added time per decode step, median, as a share of the step.
 GOAL_SHARE = 0.01
+# The engines: what each is, and the daemon flags of its group.
+ENGINES = {
+    "on": "plugin on",
+    "off": "plugin off",
+    "before": "plugin on, polling agent (before)",
+}
+POLLING_AGENT = "sglang_integration.testing.polling_agent:install"
 # Seconds every engine rests after its round, so that what a round left running (a daemon's
-# checkpoint, an agent finishing its job) ends before the other engine's round.
+# checkpoint, an agent finishing its job) ends before the next engine's round.
 SETTLE_SECONDS = 0.3
 # A reference that never rebalances.
 NEVER = 1_000_000_000
-# The segment ids of the warm-up (never compared, never timed).
+# The segment id of the warm-up (never compared, never timed).
 WARM_UP_SEGMENT = 1_000_000
 MAX_CONTEXT = 96  # cpu_engine.MAX_CONTEXT
 PROMPT_TOKENS = 16  # prompts.LOAD_TOKENS
+RESAMPLES = 1000  # of the rounds, for the interval of the added time
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -72,8 +86,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "pass, against the same engine with the plugin disabled (one run, interleaved rounds).",
     )
     parser.add_argument("--model", choices=MODELS, default="qwen3_moe")
-    parser.add_argument("--rounds", type=int, default=10, help="rounds per engine (>= 2)")
-    parser.add_argument("--segments", type=int, default=2, help="segments per round")
+    parser.add_argument("--rounds", type=int, default=24, help="rounds per engine (>= 2)")
+    parser.add_argument("--segments", type=int, default=1, help="segments per round")
     parser.add_argument(
         "--new-tokens",
         type=int,
@@ -87,6 +101,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="forward passes between rebalances (eplb_rebalance_num_iterations, >= 1)",
     )
     parser.add_argument(
+        "--handover-ab",
+        action="store_true",
+        help="also run the plugin with its agent as before (polling for a due commit job)",
+    )
+    parser.add_argument(
         "--no-reference",
         action="store_true",
         help="skip the reference engine from disk (the tokens are then compared on/off only)",
@@ -94,7 +113,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="OUT", help="also write every pass's record here")
     args = parser.parse_args(argv)
     if args.rounds < 2:
-        parser.error("--rounds must be at least 2 (on and off alternate first)")
+        parser.error("--rounds must be at least 2 (the engines take turns going first)")
     if args.segments < 1:
         parser.error("--segments must be at least 1")
     if not 2 <= args.new_tokens <= MAX_CONTEXT - PROMPT_TOKENS:
@@ -134,7 +153,7 @@ class Pass:
 @dataclass
 class EngineRecord:
     passes: list[Pass] = field(default_factory=list)
-    # Per round: the decode steps' seconds (for the paired, per-round comparison).
+    # Per round: the decode steps' seconds (the rounds are resampled for the interval).
     round_steps: list[list[float]] = field(default_factory=list)
     tokens: dict[int, list[list[int]]] = field(default_factory=dict)  # by segment id
     state: str = ""  # the plugin's rebalance state after the last round
@@ -185,80 +204,102 @@ def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-@dataclass(frozen=True)
-class Summary:
-    steps: dict[str, dict[str, float | int | None]]  # engine -> figure -> value
-    added: float | None  # median on - median off, all decode steps (seconds)
-    added_share: float | None  # of the off step
-    added_no_chunk: float | None
-    paired_added: float | None  # median over rounds of (round median on - round median off)
-    paired_range: tuple[float, float] | None
-    goal_met: bool
-
-
-def summarize(on: EngineRecord, off: EngineRecord) -> Summary:
-    steps: dict[str, dict[str, float | int | None]] = {}
-    for name, record in (("on", on), ("off", off)):
-        all_steps = decode_steps(record.passes)
-        plain = decode_steps(record.passes, chunk=False)
-        chunked = [p for p in record.passes if p.kind == "decode" and p.moved_layers > 0]
-        moves = [p.move_seconds for p in record.passes if p.moved_layers > 0]
-        plain_passes = [p for p in record.passes if p.kind == "decode" and p.moved_layers == 0]
-        steps[name] = {
-            "decode steps": len(all_steps),
-            "median step": median(all_steps),
-            "steps without a chunk": len(plain),
-            "median without a chunk": median(plain),
-            "p90 without a chunk": _quantile(plain, 0.9),
-            "cpu without a chunk": median([p.cpu_seconds for p in plain_passes]),
-            "run delay without a chunk": median([p.run_delay for p in plain_passes]),
-            "waits without a chunk": median([p.waits for p in plain_passes]),
-            "steps with a chunk": len(chunked),
-            "median with a chunk": median([p.seconds for p in chunked]),
-            "max with a chunk": max((p.seconds for p in chunked), default=None),
-            "chunks": sum(1 for p in record.passes if p.moved_layers > 0),
-            "median move": median(moves),
-            "max move": max(moves, default=None),
-            "rank cpu per pass": record.rank_cpu / max(1, len(record.passes)),
-            "agent cpu per pass": record.agent_cpu / max(1, len(record.passes)),
-            "agent slices per pass": round(record.agent_slices / max(1, len(record.passes)), 1),
-            "daemon cpu per pass": record.daemon_cpu / max(1, len(record.passes)),
-            "extend passes": sum(1 for p in record.passes if p.kind == "extend"),
-            "median extend": median([p.seconds for p in record.passes if p.kind == "extend"]),
-        }
-    on_step, off_step = steps["on"]["median step"], steps["off"]["median step"]
-    added = share = None
-    if isinstance(on_step, float) and isinstance(off_step, float):
-        added = on_step - off_step
-        share = added / off_step
-    on_plain = steps["on"]["median without a chunk"]
-    off_plain = steps["off"]["median without a chunk"]
-    added_plain = (
-        on_plain - off_plain
-        if isinstance(on_plain, float) and isinstance(off_plain, float)
-        else None
-    )
-    pairs = [
-        statistics.median(a) - statistics.median(b)
-        for a, b in zip(on.round_steps, off.round_steps, strict=False)
-        if a and b
-    ]
-    return Summary(
-        steps,
-        added,
-        share,
-        added_plain,
-        statistics.median(pairs) if pairs else None,
-        (min(pairs), max(pairs)) if pairs else None,
-        share is not None and share <= GOAL_SHARE,
-    )
-
-
 def _quantile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+Figures = dict[str, float | int | None]
+
+
+def engine_figures(record: EngineRecord) -> Figures:
+    """One engine's figures (the table's column)."""
+    passes = record.passes
+    plain = [p for p in passes if p.kind == "decode" and p.moved_layers == 0]
+    chunked = [p for p in passes if p.kind == "decode" and p.moved_layers > 0]
+    moves = [p.move_seconds for p in passes if p.moved_layers > 0]
+    count = max(1, len(passes))
+    return {
+        "decode steps": len(plain) + len(chunked),
+        "median step": median(decode_steps(passes)),
+        "steps without a chunk": len(plain),
+        "median without a chunk": median([p.seconds for p in plain]),
+        "p90 without a chunk": _quantile([p.seconds for p in plain], 0.9),
+        "cpu without a chunk": median([p.cpu_seconds for p in plain]),
+        "run delay without a chunk": median([p.run_delay for p in plain]),
+        "waits without a chunk": median([p.waits for p in plain]),
+        "steps with a chunk": len(chunked),
+        "median with a chunk": median([p.seconds for p in chunked]),
+        "max with a chunk": max((p.seconds for p in chunked), default=None),
+        "chunks": len(moves),
+        "median move": median(moves),
+        "max move": max(moves, default=None),
+        "extend passes": sum(1 for p in passes if p.kind == "extend"),
+        "median extend": median([p.seconds for p in passes if p.kind == "extend"]),
+        "rank cpu per pass": record.rank_cpu / count,
+        "agent cpu per pass": record.agent_cpu / count,
+        "agent slices per pass": round(record.agent_slices / count, 1),
+        "daemon cpu per pass": record.daemon_cpu / count,
+    }
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One plugin engine against the plugin disabled, over every decode step."""
+
+    added: float | None  # median - the off median (seconds)
+    share: float | None  # of the off median
+    share_interval: tuple[float, float] | None  # 90%, from resampling the rounds
+    added_no_chunk: float | None  # the same over the steps without a chunk
+    chunk_hold: float | None  # a chunk's pass - the step without one, medians
+    met: bool
+
+
+def _pooled_share(
+    rounds_on: Sequence[Sequence[float]], rounds_off: Sequence[Sequence[float]]
+) -> float:
+    on = statistics.median([s for steps in rounds_on for s in steps])
+    off = statistics.median([s for steps in rounds_off for s in steps])
+    return (on - off) / off
+
+
+def share_interval(
+    on: EngineRecord, off: EngineRecord, resamples: int = RESAMPLES
+) -> tuple[float, float] | None:
+    """A 90% interval of the added share: the rounds resampled with replacement, each drawn
+    round taking both engines' steps of that round (they ran side by side)."""
+    pairs = [(a, b) for a, b in zip(on.round_steps, off.round_steps, strict=False) if a and b]
+    if len(pairs) < 2:
+        return None
+    draw = random.Random(SEED)
+    shares = sorted(
+        _pooled_share(*zip(*(draw.choice(pairs) for _ in pairs), strict=True))
+        for _ in range(resamples)
+    )
+    return shares[int(0.05 * resamples)], shares[int(0.95 * resamples) - 1]
+
+
+def _difference(a: float | int | None, b: float | int | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return float(a) - float(b)
+
+
+def compare(on: EngineRecord, off: EngineRecord) -> Comparison:
+    mine, theirs = engine_figures(on), engine_figures(off)
+    added = _difference(mine["median step"], theirs["median step"])
+    off_step = theirs["median step"]
+    share = None if added is None or not off_step else added / float(off_step)
+    return Comparison(
+        added,
+        share,
+        share_interval(on, off),
+        _difference(mine["median without a chunk"], theirs["median without a chunk"]),
+        _difference(mine["median with a chunk"], mine["median without a chunk"]),
+        share is not None and share <= GOAL_SHARE,
+    )
 
 
 def _ms(value: float | int | None) -> str:
@@ -267,75 +308,84 @@ def _ms(value: float | int | None) -> str:
     return f"{value * 1e3:.2f} ms"
 
 
-def report(summary: Summary, tokens: dict[str, str], meta: dict[str, Any]) -> str:
-    on, off = summary.steps["on"], summary.steps["off"]
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:+.2f}%"
+
+
+ROWS = (
+    ("decode steps", "decode steps", False),
+    ("median, every decode step", "median step", True),
+    ("steps without a chunk", "steps without a chunk", False),
+    ("median without a chunk", "median without a chunk", True),
+    ("p90 without a chunk", "p90 without a chunk", True),
+    ("  the main thread's CPU time, median", "cpu without a chunk", True),
+    ("  its wait for a CPU (run delay), median", "run delay without a chunk", True),
+    ("  the rest (GIL, the other rank), median", "waits without a chunk", True),
+    ("steps that carried a chunk", "steps with a chunk", False),
+    ("a chunk's pass, median", "median with a chunk", True),
+    ("a chunk's pass, max", "max with a chunk", True),
+    ("chunks moved (every pass)", "chunks", False),
+    ("the move itself (sglang's updater), median", "median move", True),
+    ("the move itself, max", "max move", True),
+    ("prefill (EXTEND) pass, median (not a decode step)", "median extend", True),
+    ("CPU per pass, both rank processes (every thread)", "rank cpu per pass", True),
+    ("  of which the plugin's agent threads", "agent cpu per pass", True),
+    ("  the agents put on a CPU, times per pass", "agent slices per pass", False),
+    ("CPU per pass, the engine's daemons", "daemon cpu per pass", True),
+)
+
+
+def report(
+    records: dict[str, EngineRecord], tokens: list[str], meta: dict[str, Any]
+) -> tuple[str, bool]:
+    """The table and the verdicts; whether the goal (on against off) is met."""
+    names = list(records)
+    figures = {name: engine_figures(records[name]) for name in names}
     lines = [
         f"bench_forward: {meta['model']}, {EP_SIZE} EP ranks, {MOE_LAYERS} MoE layers, float32; "
         f"a rebalance every {meta['interval']} passes, 1 layer per chunk; {meta['rounds']} rounds "
-        f"per engine x {meta['segments']} segments x {meta['new_tokens']} tokens (16 prompts), "
-        "interleaved",
+        f"per engine x {meta['segments']} segment(s) x {meta['new_tokens']} tokens (16 prompts), "
+        "the engines in turn",
         f"load average before {meta['load_before']}, after {meta['load_after']} "
         f"({os.cpu_count()} CPUs)",
         "",
-        "| per decode step (the slower rank's ModelRunner.forward) | plugin on | plugin off |",
-        "|---|---|---|",
+        "| per decode step (the slower rank's ModelRunner.forward) | "
+        + " | ".join(ENGINES[name] for name in names)
+        + " |",
+        "|---" * (len(names) + 1) + "|",
     ]
-    rows = (
-        ("decode steps", "decode steps", False),
-        ("median, every decode step", "median step", True),
-        ("steps without a chunk", "steps without a chunk", False),
-        ("median without a chunk", "median without a chunk", True),
-        ("p90 without a chunk", "p90 without a chunk", True),
-        ("  of which the main thread's CPU time, median", "cpu without a chunk", True),
-        ("  its wait for a CPU (run delay), median", "run delay without a chunk", True),
-        ("  the rest (GIL, the other rank), median", "waits without a chunk", True),
-        ("steps that carried a chunk", "steps with a chunk", False),
-        ("a chunk's pass, median", "median with a chunk", True),
-        ("a chunk's pass, max", "max with a chunk", True),
-        ("chunks moved (every pass)", "chunks", False),
-        ("the move itself (sglang's updater), median", "median move", True),
-        ("the move itself, max", "max move", True),
-        ("prefill (EXTEND) pass, median (not a decode step)", "median extend", True),
-        ("CPU per pass, both rank processes (every thread)", "rank cpu per pass", True),
-        ("  of which the plugin's agent threads", "agent cpu per pass", True),
-        ("  the agents put on a CPU, times per pass", "agent slices per pass", False),
-        ("CPU per pass, the engine's daemons", "daemon cpu per pass", True),
-    )
-    for label, key, timed in rows:
-        if timed:
-            lines.append(f"| {label} | {_ms(on[key])} | {_ms(off[key])} |")
-        else:
-            lines.append(f"| {label} | {on[key]} | {off[key]} |")
+    for label, key, timed in ROWS:
+        cells = [_ms(figures[n][key]) if timed else str(figures[n][key]) for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
-    share = summary.added_share
+    comparisons = {n: compare(records[n], records["off"]) for n in names if n != "off"}
+    for name, found in comparisons.items():
+        low_high = found.share_interval
+        interval = ""
+        if low_high is not None:
+            low, high = (_percent(share) for share in low_high)
+            interval = f" (90% interval over the rounds {low} to {high})"
+        lines.append(
+            f"{ENGINES[name]}: added time per decode step (median - the off median) "
+            f"{_ms(found.added)} = {_percent(found.share)} of a step{interval}; over the steps "
+            f"without a chunk {_ms(found.added_no_chunk)}"
+        )
+    holds = []
+    for n in names:
+        hold = _difference(figures[n]["median with a chunk"], figures[n]["median without a chunk"])
+        holds.append(f"{ENGINES[n]} {_ms(hold)} (max pass {_ms(figures[n]['max with a chunk'])})")
     lines.append(
-        "the plugin's added time per decode step (median on - median off): "
-        f"{_ms(summary.added)} = "
-        f"{'-' if share is None else f'{share * 100:+.2f}%'} of a step"
+        "how long a chunk holds a forward pass (a chunk's pass - the step without one, medians): "
+        + ", ".join(holds)
     )
-    lines.append(f"  the same over steps without a chunk: {_ms(summary.added_no_chunk)}")
-    if summary.paired_range is not None:
-        low, high = summary.paired_range
-        lines.append(
-            f"  per round (on - off, round medians): median {_ms(summary.paired_added)}, "
-            f"from {_ms(low)} to {_ms(high)}"
-        )
-    hold_on, hold_off = on["median with a chunk"], off["median with a chunk"]
-    plain_on, plain_off = on["median without a chunk"], off["median without a chunk"]
-    if all(isinstance(v, float) for v in (hold_on, hold_off, plain_on, plain_off)):
-        lines.append(
-            "how long a chunk holds a forward pass (a chunk's pass - the step without one, "
-            f"medians): on {_ms(hold_on - plain_on)}, off {_ms(hold_off - plain_off)}; "  # type: ignore[operator]
-            f"max pass on {_ms(on['max with a chunk'])}, off {_ms(off['max with a chunk'])}"
-        )
     lines.append("")
+    met = comparisons["on"].met
     lines.append(
-        f"goal: added time per decode step <= {GOAL_SHARE * 100:.0f}% of a step, median: "
-        f"{'met' if summary.goal_met else 'not met'}"
+        f"goal: the plugin's added time per decode step <= {GOAL_SHARE * 100:.0f}% of a step, "
+        f"median: {_percent(comparisons['on'].share)}: {'met' if met else 'not met'}"
     )
-    for name, verdict in tokens.items():
-        lines.append(f"tokens, {name}: {verdict}")
-    return "\n".join(lines)
+    lines.extend(tokens)
+    return "\n".join(lines), met
 
 
 # ------------------------------------------------------------------------- the run ----------
@@ -354,6 +404,17 @@ def process_cpu_seconds(pid: int) -> float:
         stat = handle.read(4096)
     fields = stat[stat.rindex(b")") + 2 :].split()  # after the command's name
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def plugin_state(reply: dict[str, Any]) -> str:
+    """What a rank's plugin says of its rebalances (the off engine has no plugin)."""
+    state = reply.get("state")
+    if state is None:
+        return "no plugin"
+    return (
+        f"{state['rebalances_done']} rebalances done, {state['chunks_committed']} chunks "
+        f"committed, version {state['version']}, stopped: {state['stopped_reason']}"
+    )
 
 
 def run_round(engine: Any, segments: list[Any], record: EngineRecord, daemons: Any = None) -> None:
@@ -388,6 +449,29 @@ def compare_tokens(
     return equal, total
 
 
+def token_lines(
+    records: dict[str, EngineRecord], reference: dict[int, list[list[int]]]
+) -> tuple[list[str], bool]:
+    """The tokens' lines, and whether every plugin engine's tokens are right (equal to the off
+    engine's, and to the reference's where it ran)."""
+    lines, right = [], True
+    for name, record in records.items():
+        if name == "off":
+            continue
+        against = [("off", records["off"].tokens)]
+        if reference:
+            against.append(("the reference from disk (R)", reference))
+        for label, tokens in against:
+            equal, total = compare_tokens(record.tokens, tokens)
+            lines.append(f"tokens, {ENGINES[name]} against {label}: {equal}/{total} prompts equal")
+            right = right and total > 0 and equal == total
+        lines.append(f"  its plugin: {record.state}")
+    if reference:
+        equal, total = compare_tokens(records["off"].tokens, reference)
+        lines.append(f"tokens, plugin off against R: {equal}/{total} prompts equal")
+    return lines, right
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from sglang_integration.testing.sglang_env import set_quiet_sglang_env
@@ -405,29 +489,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         CheckpointSpec(model=args.model, num_layers=MOE_LAYERS + dense, seed=SEED),
     )
     vocab = int(read_config(checkpoint)["vocab_size"])
-    groups = []
-    engines: list[Any] = []
-    on, off = EngineRecord(), EngineRecord()
+    names = ["on", "off", *(["before"] if args.handover_ab else [])]
+    records = {name: EngineRecord() for name in names}
+    groups: dict[str, Any] = {}
+    engines: dict[str, Any] = {}
     reference: dict[int, list[list[int]]] = {}
     try:
         started = time.monotonic()
-        for name, flags in (("on", []), ("off", ["--without-plugin"])):
-            groups.append(
-                start_model_daemons(
-                    root / f"daemons-{name}",
-                    checkpoint,
-                    ep_size=EP_SIZE,
-                    num_redundant_experts=NUM_REDUNDANT,
-                    daemon_args=["--dtype", "float32", *flags],
-                    model=args.model,
-                )
+        for name in names:
+            flags = ["--without-plugin"] if name == "off" else []
+            groups[name] = start_model_daemons(
+                root / f"daemons-{name}",
+                checkpoint,
+                ep_size=EP_SIZE,
+                num_redundant_experts=NUM_REDUNDANT,
+                daemon_args=["--dtype", "float32", *flags],
+                model=args.model,
             )
-        spec = EngineSpec(
+        base = EngineSpec(
             name="on",
             model_dir=str(checkpoint),
             expert_dir="",
-            sockets=tuple(groups[0].sockets),
-            port=free_port(),
+            sockets=(),
+            port=0,
             num_redundant=NUM_REDUNDANT,
             layers_per_chunk=1,
             log_dir=str(root),
@@ -435,74 +519,60 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype="float32",
             server_args=eplb_server_args(args.interval),
         )
-        specs = {
-            "on": spec,
-            "off": replace(
-                spec, name="off", plugin=False, sockets=tuple(groups[1].sockets), port=free_port()
-            ),
-        }
-        handles = {}
-        daemons = {"on": groups[0], "off": groups[1]}
-        for name, engine_spec in specs.items():
-            engine = CpuEngine.launch(engine_spec)
-            engines.append(engine)
-            if engine.failed:
-                raise RuntimeError(f"engine {name} did not start: {engine.failed[0]['error']}")
-            handles[name] = engine
+        for name in names:
+            spec = replace(
+                base,
+                name=name,
+                sockets=tuple(groups[name].sockets),
+                port=free_port(),
+                plugin=name != "off",
+                rank_setup=(POLLING_AGENT,) if name == "before" else (),
+            )
+            engines[name] = CpuEngine.launch(spec)
+            if engines[name].failed:
+                raise RuntimeError(
+                    f"engine {name} did not start: {engines[name].failed[0]['error']}"
+                )
         print(f"daemons and engines started in {time.monotonic() - started:.0f} s", flush=True)
         warm_up = [(WARM_UP_SEGMENT, *segments_of(0, 1, args.new_tokens, vocab)[0][1:])]
-        for engine in handles.values():
+        for engine in engines.values():
             run_round(engine, warm_up, EngineRecord())
-        records = {"on": on, "off": off}
-        for round_index in range(args.rounds):
-            segments = segments_of(round_index, args.segments, args.new_tokens, vocab)
-            order = ("on", "off") if round_index % 2 == 0 else ("off", "on")
-            for name in order:
-                run_round(handles[name], segments, records[name], daemons[name])
+        for index in range(args.rounds):
+            segments = segments_of(index, args.segments, args.new_tokens, vocab)
+            turn = index % len(names)
+            for name in names[turn:] + names[:turn]:
+                run_round(engines[name], segments, records[name], groups[name])
                 time.sleep(SETTLE_SECONDS)
-            print(f"round {round_index + 1}/{args.rounds} done", flush=True)
-        for engine in engines:
+            print(f"round {index + 1}/{args.rounds} done", flush=True)
+        for engine in engines.values():
             engine.exit()
         engines.clear()
         if not args.no_reference:
-            reference_spec = replace(
-                spec,
-                name="R",
-                sockets=(),
-                ranks=EP_SIZE,
-                from_disk=True,
-                port=free_port(),
-                server_args=eplb_server_args(NEVER, window=1),
-            )
-            engine = CpuEngine.launch(reference_spec)
-            engines.append(engine)
-            if engine.failed:
-                raise RuntimeError(f"the reference did not start: {engine.failed[0]['error']}")
-            record = EngineRecord()
-            for round_index in range(args.rounds):
-                run_round(
-                    engine, segments_of(round_index, args.segments, args.new_tokens, vocab), record
+            engines["R"] = CpuEngine.launch(
+                replace(
+                    base,
+                    name="R",
+                    ranks=EP_SIZE,
+                    from_disk=True,
+                    port=free_port(),
+                    server_args=eplb_server_args(NEVER, window=1),
                 )
-            reference = record.tokens
+            )
+            if engines["R"].failed:
+                raise RuntimeError(
+                    f"the reference did not start: {engines['R'].failed[0]['error']}"
+                )
+            decoded = EngineRecord()
+            for index in range(args.rounds):
+                run_round(
+                    engines["R"], segments_of(index, args.segments, args.new_tokens, vocab), decoded
+                )
+            reference = decoded.tokens
     finally:
-        for engine in engines:
+        for engine in engines.values():
             engine.kill()
-        for group in groups:
+        for group in groups.values():
             group.stop()
-    load_after = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    summary = summarize(on, off)
-    tokens: dict[str, str] = {}
-    right = True
-    pairs = [("on against off", on.tokens, off.tokens)]
-    if reference:
-        pairs += [("on against the reference from disk (R)", on.tokens, reference)]
-        pairs += [("off against R", off.tokens, reference)]
-    for label, first, second in pairs:
-        equal, total = compare_tokens(first, second)
-        tokens[label] = f"{equal}/{total} prompts equal"
-        if not label.startswith("off"):
-            right = right and equal == total and total > 0
-    tokens["rebalances"] = f"the plugin's state: {on.state}"
     meta = {
         "model": args.model,
         "interval": args.interval,
@@ -510,32 +580,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "segments": args.segments,
         "new_tokens": args.new_tokens,
         "load_before": load_before,
-        "load_after": load_after,
+        "load_after": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
-    print(report(summary, tokens, meta))
+    tokens, right = token_lines(records, reference)
+    text, met = report(records, tokens, meta)
+    print(text)
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {
-                    "meta": meta,
-                    "on": [vars(p) for p in on.passes],
-                    "off": [vars(p) for p in off.passes],
-                }
+                {"meta": meta, **{n: [vars(p) for p in r.passes] for n, r in records.items()}}
             )
         )
     print(f"the engines' and daemons' logs: {root}")
-    return 0 if summary.goal_met and right else 1
-
-
-def plugin_state(reply: dict[str, Any]) -> str:
-    """What a rank's plugin says of its rebalances (the off engine has no plugin)."""
-    state = reply.get("state")
-    if state is None:
-        return "no plugin"
-    return (
-        f"{state['rebalances_done']} rebalances done, {state['chunks_committed']} chunks "
-        f"committed, version {state['version']}, stopped: {state['stopped_reason']}"
-    )
+    return 0 if met and right else 1
 
 
 if __name__ == "__main__":

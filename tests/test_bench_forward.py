@@ -17,10 +17,12 @@ from bench_forward import (
     GOAL_SHARE,
     EngineRecord,
     Pass,
+    compare,
+    engine_figures,
     eplb_server_args,
     merge_ranks,
     parse_args,
-    summarize,
+    share_interval,
 )
 
 
@@ -86,29 +88,43 @@ def test_ranks_that_disagree_on_a_pass_are_an_error(second: list[Any]) -> None:
         merge_ranks([{"passes": [_record("decode", 0.01, 1)]}, {"passes": second}])
 
 
-def _engine(step: float, chunk_step: float, steps: int = 9) -> EngineRecord:
-    passes = [Pass("extend", 1.0, 0.5, 0.0, 0.5, 0, 0.0)]
-    passes += [Pass("decode", step, step, 0.0, 0.0, 0, 0.0) for _ in range(steps)]
-    passes += [Pass("decode", chunk_step, chunk_step, 0.0, 0.0, 1, 0.001)]
-    return EngineRecord(passes, [[p.seconds for p in passes if p.kind == "decode"]])
+def _engine(step: float, chunk_step: float, steps: int = 9, rounds: int = 1) -> EngineRecord:
+    record = EngineRecord()
+    for _ in range(rounds):
+        passes = [Pass("extend", 1.0, 0.5, 0.0, 0.5, 0, 0.0)]
+        passes += [Pass("decode", step, step, 0.0, 0.0, 0, 0.0) for _ in range(steps)]
+        passes += [Pass("decode", chunk_step, chunk_step, 0.0, 0.0, 1, 0.001)]
+        record.passes += passes
+        record.round_steps.append([p.seconds for p in passes if p.kind == "decode"])
+    return record
 
 
 def test_the_goal_holds_within_one_percent_of_a_step_and_not_above() -> None:
     off = _engine(0.100, 0.150)
-    met = summarize(_engine(0.100 * (1 + GOAL_SHARE / 2), 0.150), off)
-    assert met.goal_met
+    met = compare(_engine(0.100 * (1 + GOAL_SHARE / 2), 0.150), off)
+    assert met.met
     assert met.added == pytest.approx(0.100 * GOAL_SHARE / 2)
-    missed = summarize(_engine(0.100 * (1 + 2 * GOAL_SHARE), 0.150), off)
-    assert not missed.goal_met
-    assert missed.added_share == pytest.approx(2 * GOAL_SHARE)
+    missed = compare(_engine(0.100 * (1 + 2 * GOAL_SHARE), 0.150), off)
+    assert not missed.met
+    assert missed.share == pytest.approx(2 * GOAL_SHARE)
 
 
 def test_prefill_passes_and_chunk_passes_are_apart_from_the_plain_step() -> None:
-    summary = summarize(_engine(0.100, 0.400), _engine(0.100, 0.200))
-    on = summary.steps["on"]
+    on = engine_figures(_engine(0.100, 0.400))
     assert on["decode steps"] == 10
     assert on["steps without a chunk"] == 9
     assert on["median without a chunk"] == 0.100
     assert on["median with a chunk"] == 0.400
     assert on["extend passes"] == 1
-    assert summary.added_no_chunk == 0.0
+    found = compare(_engine(0.100, 0.400), _engine(0.100, 0.200))
+    assert found.added_no_chunk == 0.0
+    assert found.chunk_hold == pytest.approx(0.300)
+
+
+def test_the_interval_resamples_whole_rounds_of_both_engines() -> None:
+    # Every round adds 2% on: whichever rounds are drawn, the share is 2%.
+    on, off = _engine(0.102, 0.102, rounds=6), _engine(0.100, 0.100, rounds=6)
+    low, high = share_interval(on, off) or (None, None)
+    assert low == pytest.approx(0.02)
+    assert high == pytest.approx(0.02)
+    assert share_interval(_engine(0.1, 0.1), _engine(0.1, 0.1)) is None  # one round: none

@@ -243,6 +243,9 @@ class EngineSpec:
     # More ServerArgs fields every rank publishes, as (name, value) pairs: EPLB's interval, say
     # (``eplb_rebalance_num_iterations``, ``expert_distribution_recorder_buffer_size``).
     server_args: tuple[tuple[str, Any], ...] = ()
+    # Functions each rank calls before it starts, as "module:function" (a benchmark's variant
+    # of the plugin, say: ``testing.polling_agent:install``).
+    rank_setup: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -811,6 +814,15 @@ def _stop_after_converging_move(spec: EngineSpec, rank: int, channel: Connection
     converge._move = move_then_stop  # type: ignore[assignment]
 
 
+def _run_rank_setup(names: Sequence[str]) -> None:
+    """Call each ``"module:function"`` of ``EngineSpec.rank_setup`` in this rank."""
+    import importlib
+
+    for name in names:
+        module, _, function = name.partition(":")
+        getattr(importlib.import_module(module), function)()
+
+
 def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     """Process target: one engine rank. Sends ``started`` (with a report) or ``startup_failed``
     (the startup hook refused: ``error`` is its reason), then answers commands until ``exit``.
@@ -860,6 +872,7 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     engine = _EngineRank(spec, rank, capture)
     if spec.stop_in_converge:
         _stop_after_converging_move(spec, rank, channel)
+    _run_rank_setup(spec.rank_setup)
     try:
         engine.start()
     except Exception as exc:
