@@ -469,6 +469,11 @@ def token_lines(
     if reference:
         equal, total = compare_tokens(records["off"].tokens, reference)
         lines.append(f"tokens, plugin off against R: {equal}/{total} prompts equal")
+    judged = "the off engine's and R's" if reference else "the off engine's"
+    lines.append(
+        f"goal: every decode pass of the plugin's engines right (their tokens equal {judged}): "
+        f"{'met' if right else 'not met'}"
+    )
     return lines, right
 
 

@@ -23,6 +23,7 @@ from bench_forward import (
     merge_ranks,
     parse_args,
     share_interval,
+    token_lines,
 )
 
 
@@ -128,3 +129,18 @@ def test_the_interval_resamples_whole_rounds_of_both_engines() -> None:
     assert low == pytest.approx(0.02)
     assert high == pytest.approx(0.02)
     assert share_interval(_engine(0.1, 0.1), _engine(0.1, 0.1)) is None  # one round: none
+
+
+def test_a_plugin_engine_whose_tokens_differ_from_off_or_the_reference_fails_the_run() -> None:
+    right = {0: [[5, 6], [7, 8]]}
+    wrong = {0: [[5, 6], [7, 9]]}
+    records = {"on": EngineRecord(tokens=right), "off": EngineRecord(tokens=right)}
+    lines, ok = token_lines(records, right)
+    assert ok and lines[-1].endswith(": met")
+    records["on"] = EngineRecord(tokens=wrong)
+    lines, ok = token_lines(records, right)
+    assert not ok and lines[-1].endswith("not met")
+    assert "1/2 prompts equal" in lines[0]
+    records = {"on": EngineRecord(tokens=right), "off": EngineRecord(tokens=right)}
+    assert not token_lines(records, wrong)[1]  # the reference disagrees
+    assert not token_lines({"on": EngineRecord(), "off": EngineRecord()}, {})[1]  # none compared
