@@ -162,6 +162,7 @@ class EngineRecord:
     rank_cpu: float = 0.0
     agent_cpu: float = 0.0
     agent_slices: int = 0
+    agent_blocked: int = 0  # forward passes at which a rank's hook waited for its agent
     daemon_cpu: float = 0.0
 
 
@@ -241,6 +242,7 @@ def engine_figures(record: EngineRecord) -> Figures:
         "rank cpu per pass": record.rank_cpu / count,
         "agent cpu per pass": record.agent_cpu / count,
         "agent slices per pass": round(record.agent_slices / count, 1),
+        "agent blocked": record.agent_blocked,
         "daemon cpu per pass": record.daemon_cpu / count,
     }
 
@@ -331,6 +333,7 @@ ROWS = (
     ("CPU per pass, both rank processes (every thread)", "rank cpu per pass", True),
     ("  of which the plugin's agent threads", "agent cpu per pass", True),
     ("  the agents put on a CPU, times per pass", "agent slices per pass", False),
+    ("passes at which a rank waited for its agent (blocked)", "agent blocked", False),
     ("CPU per pass, the engine's daemons", "daemon cpu per pass", True),
 )
 
@@ -427,6 +430,7 @@ def run_round(engine: Any, segments: list[Any], record: EngineRecord, daemons: A
         if reply["agent"] is not None:
             record.agent_cpu += reply["agent"][0]
             record.agent_slices += int(reply["agent"][2])
+            record.agent_blocked += int(reply["agent"][3])
     if replies[0]["tokens"] != replies[1]["tokens"]:
         raise RuntimeError(f"engine {engine.spec.name}: the ranks decoded different tokens")
     passes = merge_ranks(replies)

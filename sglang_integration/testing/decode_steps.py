@@ -48,14 +48,15 @@ def thread_schedstat(path: str) -> tuple[float, float, int]:
         return 0.0, 0.0, 0
 
 
-def _agent_schedstat() -> tuple[float, float, int] | None:
-    """The plugin's rebalance agent thread's schedstat in this rank; None without one."""
+def _agent_figures() -> tuple[float, float, int, int] | None:
+    """The plugin's rebalance agent in this rank: its thread's schedstat, and the forward passes
+    at which the hook waited for it (``blocked``); None without one."""
     from sglang_integration.engine.rebalance_agent import current_agent
 
     agent = current_agent()
     if agent is None or agent.native_id is None:
         return None
-    return thread_schedstat(f"/proc/self/task/{agent.native_id}/schedstat")
+    return (*thread_schedstat(f"/proc/self/task/{agent.native_id}/schedstat"), agent.blocked)
 
 
 def _process_cpu() -> float:
@@ -112,19 +113,19 @@ def decode_segments(
     Returns ``tokens`` (per segment, per prompt), ``passes``: one ``PASS_FIELDS`` list per
     forward pass in order, ``kind`` ``"extend"`` or ``"decode"``, ``process_cpu``: the CPU
     seconds of the whole rank process (every thread) over the call, and ``agent``: the plugin's
-    rebalance agent thread's CPU seconds, run delay and times put on a CPU over the call (None
-    without the plugin's agent)."""
+    rebalance agent thread's CPU seconds, run delay and times put on a CPU over the call, and
+    the passes at which the hook waited for it (None without the plugin's agent)."""
     clock = PassClock(decoder.forward, updater.inner)
     decoder.forward, updater.inner = clock.timed_forward, clock
     tokens: list[list[list[int]]] = []
-    cpu, agent = _process_cpu(), _agent_schedstat()
+    cpu, agent = _process_cpu(), _agent_figures()
     try:
         for prompts, new_tokens in segments:
             tokens.append(decoder.generate([list(p) for p in prompts], int(new_tokens)).tokens)
     finally:
         updater.inner = clock.updater
         del decoder.forward  # the class's again
-    agent_after = _agent_schedstat()
+    agent_after = _agent_figures()
     agent_used = None
     if agent is not None and agent_after is not None:
         agent_used = [after - before for after, before in zip(agent_after, agent, strict=True)]
