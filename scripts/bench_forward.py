@@ -12,7 +12,9 @@ each on its own group of model-backed daemons of the same tiny checkpoint
 - **off**: the plugin disabled (no hook in the engine ranks; daemons ``--without-plugin``):
   sglang 0.5.23 as it is;
 - with ``--handover-ab``, **before**: the plugin with its agent as it was before it slept on its
-  queue between jobs (``testing.polling_agent``: it polled every 0.5 ms for a due commit job).
+  queue between jobs (``testing.polling_agent``: it polled every 0.5 ms for a due commit job);
+- with ``--aa``, **off2**: a second engine with the plugin off, compared with the first as the
+  plugin engines are: the comparison's noise floor in the same run.
 
 Each decodes continuously (``testing.decode_steps``): segment after segment of 16 skewed prompts
 (``prompts.load_prompts``, so that real routing asks for new layouts) and ``--new-tokens`` greedy
@@ -34,8 +36,8 @@ own time); the tokens (on against off, and against a reference from disk that ne
 every segment); the load average. Exit 0 when the goal is met and the tokens are right, else 1.
 
     .venv/bin/python scripts/bench_forward.py [--model qwen3_moe|deepseek_v3] [--rounds 24]
-        [--segments 1] [--new-tokens 64] [--interval 10] [--handover-ab] [--no-reference]
-        [--json OUT]
+        [--segments 1] [--new-tokens 64] [--interval 10] [--handover-ab] [--aa]
+        [--no-reference] [--json OUT]
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ ENGINES = {
     "on": "plugin on",
     "off": "plugin off",
     "before": "plugin on, polling agent (before)",
+    "off2": "plugin off, a second engine (A/A)",
 }
 POLLING_AGENT = "sglang_integration.testing.polling_agent:install"
 # Seconds every engine rests after its round, so that what a round left running (a daemon's
@@ -106,6 +109,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also run the plugin with its agent as before (polling for a due commit job)",
     )
     parser.add_argument(
+        "--aa",
+        action="store_true",
+        help="also run a second engine with the plugin off: the noise floor of the comparison",
+    )
+    parser.add_argument(
         "--no-reference",
         action="store_true",
         help="skip the reference engine from disk (the tokens are then compared on/off only)",
@@ -124,6 +132,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.interval < 1:
         parser.error("--interval must be at least 1")
     return args
+
+
+def plugin_on(name: str) -> bool:
+    """Whether the engine ``name`` runs the plugin (``ENGINES``)."""
+    return not name.startswith("off")
 
 
 def eplb_server_args(interval: int, window: int | None = None) -> tuple[tuple[str, Any], ...]:
@@ -460,7 +473,7 @@ def token_lines(
     engine's, and to the reference's where it ran)."""
     lines, right = [], True
     for name, record in records.items():
-        if name == "off":
+        if not plugin_on(name):
             continue
         against = [("off", records["off"].tokens)]
         if reference:
@@ -498,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         CheckpointSpec(model=args.model, num_layers=MOE_LAYERS + dense, seed=SEED),
     )
     vocab = int(read_config(checkpoint)["vocab_size"])
-    names = ["on", "off", *(["before"] if args.handover_ab else [])]
+    names = ["on", "off", *(["before"] if args.handover_ab else []), *(["off2"] if args.aa else [])]
     records = {name: EngineRecord() for name in names}
     groups: dict[str, Any] = {}
     engines: dict[str, Any] = {}
@@ -506,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         started = time.monotonic()
         for name in names:
-            flags = ["--without-plugin"] if name == "off" else []
+            flags = [] if plugin_on(name) else ["--without-plugin"]
             groups[name] = start_model_daemons(
                 root / f"daemons-{name}",
                 checkpoint,
@@ -534,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name=name,
                 sockets=tuple(groups[name].sockets),
                 port=free_port(),
-                plugin=name != "off",
+                plugin=plugin_on(name),
                 rank_setup=(POLLING_AGENT,) if name == "before" else (),
             )
             engines[name] = CpuEngine.launch(spec)
