@@ -12,6 +12,7 @@ thread per rank does them:
   sglang's on the world group);
 - for a ``BeginJob`` it sends begin, all-gathers the replies, decides (``decide_begin``) and,
   when the chunk does not move, aborts its own begin as the rules say;
+- between jobs it sleeps on its queue, woken by the next job (never polling);
 - for a ``CommitJob`` (handed over right after the move) it waits until the moved bytes have
   landed (the device event recorded after the move; on a CPU the move is synchronous), builds
   the rows and the whole-map digest from the engine's map (no move changes it before this
@@ -41,7 +42,6 @@ import gc
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -62,9 +62,6 @@ from sglang_integration.engine.reply_gather import all_gather_small
 logger = logging.getLogger(__name__)
 
 THREAD_NAME = "expert-layout-rebalance-agent"
-# Seconds between two looks at the hand-over slot while a chunk's commit job is due (the agent
-# published a begin that moves): the move pass hands the job over without waking the thread.
-POLL_SECONDS = 0.0005
 # The plugin group's collectives fail after this many seconds (a peer whose agent is gone).
 GROUP_TIMEOUT = 120.0
 # Seconds a group being dropped waits for the all-gather that connects it (a peer gone).
@@ -282,13 +279,12 @@ class RebalanceAgent:
         # result. ``_published`` is set after each result, only for ``wait``; the main thread
         # never clears it on the forward path (an Event's clear takes its Condition's lock).
         #
-        # The commit job of a chunk goes in ``_handoff`` instead, a slot the agent looks at
-        # every ``POLL_SECONDS`` while that job is due: waking a thread is a system call that
-        # can hand the CPU to another process, measured 30 us median and milliseconds at the
-        # tail on a loaded machine, at the one pass that moves a chunk.
+        # Between jobs the agent sleeps in the queue's get, woken only by the next job: it
+        # never polls. A poll for the commit job (every 0.5 ms while one was due, the design
+        # before) saved the move pass the wake's system call but woke the agent some 60 times
+        # a forward pass on every pass of a rebalance, each wake taking a CPU and the GIL from
+        # the forward path (scripts/bench_forward.py, docs/benchmarks.md).
         self._jobs: queue.SimpleQueue[BeginJob | CommitJob | None] = queue.SimpleQueue()
-        self._handoff: list[CommitJob] = []
-        self._commit_due = False  # the agent's own: its last result's begin moves
         self._stopping = False
         self._published = threading.Event()
         self._result: AgentResult | None = None
@@ -306,17 +302,11 @@ class RebalanceAgent:
         return self.failure is None and self._running
 
     def submit(self, job: BeginJob | CommitJob) -> None:
-        """Hand the agent its next job (the main thread, once it used the previous result).
-
-        A ``CommitJob`` follows a result whose begin moves, which the agent then waits for in
-        the hand-over slot: one list append, no thread woken (the forward path's move pass).
-        """
+        """Hand the agent its next job (the main thread, once it used the previous result): one
+        queue put, which wakes the agent."""
         self._result = None
         self.deadline = None
-        if isinstance(job, CommitJob):
-            self._handoff.append(job)
-        else:
-            self._jobs.put(job)
+        self._jobs.put(job)
 
     def result(self) -> AgentResult | None:
         """The last job's result once published, else None. Never waits."""
@@ -354,9 +344,6 @@ class RebalanceAgent:
                     self._running = False
                     return
                 result = self._work(job)
-                self._commit_due = (
-                    result.begin is not None and result.begin.decision.action is BeginAction.MOVE
-                )
                 self.jobs_done += 1
                 self._result = result
                 self._published.set()
@@ -371,14 +358,7 @@ class RebalanceAgent:
         self.group.destroy()
 
     def _next_job(self) -> BeginJob | CommitJob | None:
-        """The next job: looked for in the hand-over slot while a commit job is due, else
-        waited for on the queue; None to stop."""
-        while self._commit_due and not self._stopping:
-            if self._handoff:
-                return self._handoff.pop()
-            if not self._jobs.empty():  # the due commit never came (a rebalance cut short)
-                break
-            time.sleep(POLL_SECONDS)
+        """The next job, waited for on the queue (asleep until it comes); None to stop."""
         if self._stopping:
             return None
         return self._jobs.get()
@@ -449,7 +429,7 @@ class RebalanceAgent:
 def yield_to_the_forward_path() -> None:
     """Make the calling thread (the agent's) ``SCHED_BATCH``: the kernel never lets it preempt
     a running thread when it wakes (the main thread in a forward pass's hook, say, when the
-    agent's poll of the hand-over slot or a daemon's reply wakes it), while it keeps its fair
+    hook's hand-over of a job or a daemon's reply wakes it), while it keeps its fair
     share of the CPU. Allowed without privileges on Linux; elsewhere nothing changes."""
     import os
 

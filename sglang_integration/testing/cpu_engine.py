@@ -245,6 +245,12 @@ class EngineSpec:
     ranks: int = 0  # the world size where there are no sockets (``from_disk``)
     dtype: str | None = None  # sglang's --dtype (None: the checkpoint's)
     init_expert_location: str | None = None  # sglang's --init-expert-location
+    # More ServerArgs fields every rank publishes, as (name, value) pairs: EPLB's interval, say
+    # (``eplb_rebalance_num_iterations``, ``expert_distribution_recorder_buffer_size``).
+    server_args: tuple[tuple[str, Any], ...] = ()
+    # Functions each rank calls before it starts, as "module:function" (a benchmark's variant
+    # of the plugin, say: ``testing.polling_agent:install``).
+    rank_setup: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -392,6 +398,7 @@ class _EngineRank:
             eplb_rebalance_layers_per_chunk=spec.layers_per_chunk,
             **weight_cache,
             **model_args,
+            **dict(spec.server_args),
         )
         model_config = ModelConfig.from_server_args(args)
         if holds_model:
@@ -578,6 +585,17 @@ class _EngineRank:
             routed_digest=digest,
         )
         return report
+
+    def decode_segments(self, segments: list[tuple[list[list[int]], int]]) -> dict[str, Any]:
+        """Decode the segments one after another with EPLB's own pass generator running
+        (``decode_steps``): the report, the tokens, and each pass's seconds and the chunk moved
+        in it."""
+        from sglang_integration.testing.decode_steps import decode_segments
+
+        if self.decoder is None or self.updater is None:
+            raise RuntimeError(f"engine {self.spec.name} holds no model that computes tokens")
+        decoded = decode_segments(self.decoder, self.updater, segments)
+        return {**self.report(), **decoded}
 
     def _routed_version(self) -> tuple[int | None, str]:
         """The digest of the map this rank routes with, and the version its daemon gives that
@@ -827,6 +845,15 @@ def _stop_after_converging_move(spec: EngineSpec, rank: int, channel: Connection
     converge._move = move_then_stop  # type: ignore[assignment]
 
 
+def _run_rank_setup(names: Sequence[str]) -> None:
+    """Call each ``"module:function"`` of ``EngineSpec.rank_setup`` in this rank."""
+    import importlib
+
+    for name in names:
+        module, _, function = name.partition(":")
+        getattr(importlib.import_module(module), function)()
+
+
 def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     """Process target: one engine rank. Sends ``started`` (with a report) or ``startup_failed``
     (the startup hook refused: ``error`` is its reason), then answers commands until ``exit``.
@@ -856,7 +883,8 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
        wait until alone on its daemon, stop at a chosen point of a rebalance so that the parent can
        SIGKILL it there, exit.
 
-    Commands are ``(verb, fields)``: ``rebalance`` (count), ``wait_alone`` (timeout),
+    Commands are ``(verb, fields)``: ``rebalance`` (count), ``decode_segments`` (segments:
+    continuous decoding, EPLB rebalancing on its own, each pass timed), ``wait_alone`` (timeout),
     ``stop_between_chunks`` / ``stop_in_move`` / ``stop_at_commit`` (count of whole rebalances
     first; the rank then sends ``stopped`` and waits to be killed), ``exit``. A failed command
     is answered with ``{"event": "error", "error": traceback}``.
@@ -875,6 +903,7 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
     engine = _EngineRank(spec, rank, capture)
     if spec.stop_in_converge:
         _stop_after_converging_move(spec, rank, channel)
+    _run_rank_setup(spec.rank_setup)
     try:
         engine.start()
     except Exception as exc:
@@ -918,6 +947,8 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
                     int(fields["new_tokens"]),
                     bool(fields.get("keep_logits", False)),
                 )
+            elif verb == "decode_segments":
+                reply = engine.decode_segments(fields["segments"])
             elif verb == "wait_alone":
                 reply = engine.wait_alone(float(fields["timeout"]))
             elif verb == "stop_between_chunks":
@@ -1021,6 +1052,13 @@ class CpuEngine:
         self, count: int, timeout: float = 180.0, in_forward: bool = False
     ) -> list[dict[str, Any]]:
         return self.ask("rebalance", timeout, count=count, in_forward=in_forward)
+
+    def decode_segments(
+        self, segments: list[tuple[list[list[int]], int]], timeout: float = 600.0
+    ) -> list[dict[str, Any]]:
+        """Decode ``(prompts, new_tokens)`` segments on every rank, EPLB rebalancing from its own
+        pass generator (``_EngineRank.decode_segments``); each rank's reply."""
+        return self.ask("decode_segments", timeout, segments=segments)
 
     def wait_alone(self, timeout: float = 30.0) -> list[dict[str, Any]]:
         return self.ask("wait_alone", timeout + 10.0, timeout=timeout)
