@@ -36,6 +36,8 @@ class _Group:
         import torch.distributed as dist
 
         self.world_size = dist.get_world_size()
+        self.rank_in_group = dist.get_rank()
+        self.ranks = list(range(self.world_size))
         self.cpu_group = dist.group.WORLD
 
     def all_gather_object(self, value: Any) -> list[Any]:
