@@ -17,14 +17,23 @@ from demo_cases.workspace import Workspace, query_daemons, wait_for_daemons
 from sglang_integration.testing.cpu_engine import CpuEngine
 
 # The standby's idle time, shortened for the demo (30 s by default): long enough that A's next
-# rebalance begins while C's lease holds (a model-backed A first runs its rebalance's forward
-# pass over skewed prompts, 0.1 to 0.5 s here, seconds on a machine loaded by other jobs).
-IDLE_SECONDS = 6.0
-STANDBY_ENV = (
-    ("SGLANG_EXPERT_LAYOUT_ROLE", "standby"),
-    ("SGLANG_EXPERT_LAYOUT_STANDBY_IDLE", str(IDLE_SECONDS)),
-    ("SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT", "60"),
-)
+# rebalance begins while C's lease holds. A model-backed A first runs its rebalance's forward
+# pass over skewed prompts (0.1 to 0.5 s here, seconds on a machine loaded by other jobs); an A
+# of the synthetic stand-in begins at once.
+IDLE_SECONDS = {True: 6.0, False: 3.0}  # by whether the engines compute tokens
+
+
+def idle_seconds(workspace: Workspace) -> float:
+    return IDLE_SECONDS[workspace.answers_tokens]
+
+
+def standby_env(workspace: Workspace) -> tuple[tuple[str, str], ...]:
+    """A warm standby's environment, its idle time shortened (``idle_seconds``)."""
+    return (
+        ("SGLANG_EXPERT_LAYOUT_ROLE", "standby"),
+        ("SGLANG_EXPERT_LAYOUT_STANDBY_IDLE", str(idle_seconds(workspace))),
+        ("SGLANG_EXPERT_LAYOUT_WAIT_TIMEOUT", "60"),
+    )
 
 
 def run_case5(workspace: Workspace) -> tuple[CaseResult, CaseResult]:
@@ -59,7 +68,7 @@ def _follow_then_take_over(workspace: Workspace, result: CaseResult, warmup: Cas
     engine_a = workspace.launch("case5", "A", daemons, expert_dir)
     engine_a.rebalance(alone)
     v = alone * chunks
-    engine_c = workspace.launch("case5", "C", daemons, expert_dir, env=STANDBY_ENV)
+    engine_c = workspace.launch("case5", "C", daemons, expert_dir, env=standby_env(workspace))
     c_started = engine_c.started
     result.check(
         "C attaches as a standby and adopts version",
@@ -68,7 +77,9 @@ def _follow_then_take_over(workspace: Workspace, result: CaseResult, warmup: Cas
         all(r["session"]["version"] == v for r in c_started),
     )
     _wait_released(daemons, engine_c)
-    result.info("C's lease after its idle time (s)", f"released ({IDLE_SECONDS:g} s, shortened)")
+    result.info(
+        "C's lease after its idle time (s)", f"released ({idle_seconds(workspace):g} s, shortened)"
+    )
     moved = engine_a.rebalance(beside)
     v2 = v + beside * chunks
     result.check(
@@ -103,7 +114,7 @@ def _follow_then_take_over(workspace: Workspace, result: CaseResult, warmup: Cas
     again = engine_a.rebalance(1)
     v3 = v2 + chunks
     warmup.check(
-        f"(b) after C's lease ended ({IDLE_SECONDS:g} s idle): A moves again, version",
+        f"(b) after C's lease ended ({idle_seconds(workspace):g} s idle): A moves again, version",
         both(v3, config.ep_size),
         per_rank(_versions(daemons)),
         _versions(daemons) == [v3] * config.ep_size,
@@ -194,7 +205,7 @@ def _killed_mid_move(workspace: Workspace, warmup: CaseResult) -> None:
     daemons = workspace.daemons("case5c", experts=expert_dir)
     engine_a = workspace.launch("case5c", "A", daemons, expert_dir)
     engine_a.rebalance(1)
-    engine_c = workspace.launch("case5c", "C", daemons, expert_dir, env=STANDBY_ENV)
+    engine_c = workspace.launch("case5c", "C", daemons, expert_dir, env=standby_env(workspace))
     _wait_released(daemons, engine_c)
     engine_a.stop_in_move(1)
     engine_a.kill()
