@@ -1,13 +1,17 @@
-"""CPU engine ranks for tests and the demo: sglang's real EPLB code on shared-memory experts.
+"""CPU engine ranks for tests and the demo: sglang's model, startup, forward pass and EPLB.
 
 One engine of ``world_size`` ranks is ``world_size`` fresh processes forked from a forkserver
 that imported sglang once (``engine_process_context``); each runs ``run_engine_rank``, and
-``CpuEngine`` is the parent's handle on them. Two GPU stand-ins, and only these: a namespace in
-place of the ``ModelRunner`` (with the expert distribution recorder's counters on the CPU,
-``_counters_on_the_cpu``) and shared memory in place of the daemon's CUDA IPC tensors: on
-model-backed daemons (``EngineSpec.checkpoint``) the daemon's real routed-expert parameters
-(``routed_weights``), else the synthetic stand-in's files (``shared_experts``). Each rank's
-output goes to a log file; its plugin log lines also come back in reports.
+``CpuEngine`` is the parent's handle on them. With a checkpoint (``EngineSpec.checkpoint``) a
+rank holds sglang's real model, loaded as ``ModelRunner.load_model`` loads it (its routed
+experts the daemon's shared tensors, or from disk: ``engine_model``), decodes through
+``ModelRunner.forward`` (``greedy``) and rebalances from its own forward passes
+(``engine_forward``), with the GPU stand-ins of ``gpu_stand_ins.install_in_engine``. Without
+one, the synthetic stand-in's expert files (``shared_experts``) on synthetic loads. In both, a
+namespace stands in for the ``ModelRunner`` where sglang's startup method reads it (a real one
+allocates accelerator memory), and the expert distribution recorder's counters live on the CPU
+(``_counters_on_the_cpu``). Each rank's output goes to a log file; its plugin log lines also
+come back in reports.
 """
 
 from __future__ import annotations
@@ -860,9 +864,11 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
 
     The rank
 
-    1. publishes real ``ServerArgs`` for a tiny Qwen3-MoE ``config.json`` without weights
-       (``--weight-cache-mode client``, ``--enable-eplb``, its daemon's socket as
-       ``--weight-cache-socket``) and joins sglang's world group on torch.distributed gloo;
+    1. publishes real ``ServerArgs`` for the checkpoint (or a tiny Qwen3-MoE ``config.json``
+       without weights: the synthetic stand-in) with ``--enable-eplb`` and, on daemons,
+       ``--weight-cache-mode client`` and its daemon's socket as ``--weight-cache-socket``, and
+       joins sglang's world group on torch.distributed gloo (with a checkpoint: its model-parallel
+       groups too, ``engine_forward.prepare_model_parallel``);
     2. with the plugin, calls the plugin's real entry point ``sglang_integration.plugin.register()``
        and sglang's ``HookRegistry.apply_hooks()``, as ``load_plugins()`` does in an engine process;
        without it (the plugin disabled), applies no hook at all;
@@ -870,20 +876,23 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
        attach to its daemon, agree over the world group, repair dirty daemons, adopt the daemon's
        layout or fail) on a namespace holding the attributes the method and the hooks read, because
        building a real ``ModelRunner`` allocates accelerator memory;
-    4. records that its weights came from the daemon: the IPC loader's ``fetch_state`` maps CUDA IPC
-       handles, which a CPU cannot, so the experts are instead the daemon's shared-memory files
-       (``routed_weights`` of a model-backed daemon, else ``shared_experts``), mapped read-write,
-       where an in-place move by one engine is seen by all;
-       the plugin's ``ModelRunner.load_model`` hook runs around that mapping (each slot must hold
-       the expert the map names);
+    4. loads its weights, the plugin's ``ModelRunner.load_model`` hook around the load (each slot
+       must hold the expert the map names): with a checkpoint, sglang's model through sglang's
+       own loaders (``engine_model.load_engine_model``: the ``IpcModelLoader`` with the plugin's
+       ``fetch_state`` hooks, its routed experts mapped from the daemon's shared file, or every
+       weight from disk); on the synthetic stand-in, its expert files mapped read-write, recording
+       that the weights came from the daemon as the IPC loader's hook would. An in-place move by
+       one engine is seen by every engine on the daemon;
     5. builds sglang's real ``EPLBManager`` with sglang's real ``ExpertLocationUpdater`` (behind
-       ``StoppableUpdater``) and ``SyntheticLoadRecorder`` standing in for the expert distribution
-       recorder (nothing routes tokens here);
+       ``StoppableUpdater``), fed by sglang's expert distribution recorder where the rank computes
+       tokens (``greedy.GreedyDecoder`` runs its passes), else by ``SyntheticLoadRecorder``
+       (nothing routes tokens: the synthetic stand-in, FP8 blocks);
     6. obeys the parent's commands on a pipe (``CpuEngine`` is the parent's handle): rebalance,
-       wait until alone on its daemon, stop at a chosen point of a rebalance so that the parent can
-       SIGKILL it there, exit.
+       decode (``generate``), wait until alone on its daemon, stop at a chosen point of a
+       rebalance so that the parent can SIGKILL it there, exit.
 
-    Commands are ``(verb, fields)``: ``rebalance`` (count), ``decode_segments`` (segments:
+    Commands are ``(verb, fields)``: ``rebalance`` (count), ``generate`` (prompts, new tokens,
+    whether to keep the logits), ``forward``, ``decode_segments`` (segments:
     continuous decoding, EPLB rebalancing on its own, each pass timed), ``wait_alone`` (timeout),
     ``stop_between_chunks`` / ``stop_in_move`` / ``stop_at_commit`` (count of whole rebalances
     first; the rank then sends ``stopped`` and waits to be killed), ``exit``. A failed command
