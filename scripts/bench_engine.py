@@ -388,6 +388,7 @@ def _rank(job: RankJob, out: Connection) -> None:
         stages.clear()
         world_group.barrier()
         traffic.reset()
+        waited = _run_delay()
         started = time.perf_counter()
         engine_startup.start_from_daemon_layout(
             model_config=model_config,
@@ -396,11 +397,14 @@ def _rank(job: RankJob, out: Connection) -> None:
             socket_path=job.sockets[rank],
         )
         ended = time.perf_counter()
+        waited = _run_delay() - waited
         starts.append(
             {
                 "rank": rank,
                 "startup": (started, ended),
-                "stages": [(c.name, c.entered, c.left, c.depth) for c in stages],  # plain tuples
+                "cpu_waits": waited,
+                # plain tuples
+                "stages": [(c.name, c.entered, c.left, c.depth, c.cpu_waits) for c in stages],
                 "received": traffic.received,
                 "collectives": traffic.collectives,
             }
@@ -556,12 +560,14 @@ COLLECTIVE_STAGES = (ENGINE_ID, GROUP, GATHER)
 @dataclass(frozen=True)
 class StageCall:
     """One timed call: ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock shared by
-    every rank process) when it was entered and left, and how many timed calls it was in."""
+    every rank process) when it was entered and left, how many timed calls it was in, and the
+    seconds its thread waited for a CPU while runnable meanwhile (``_run_delay``)."""
 
     name: str
     entered: float
     left: float
     depth: int
+    cpu_waits: float = 0.0
 
 
 def _timed_start_stages(
@@ -584,13 +590,15 @@ def _timed_start_stages(
         own = attribute in vars(owner)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            waited = _run_delay()
             started = time.perf_counter()
             depth[0] += 1
             try:
                 return function(*args, **kwargs)
             finally:
                 depth[0] -= 1
-                calls.append(StageCall(name, started, time.perf_counter(), depth[0]))
+                left = time.perf_counter()
+                calls.append(StageCall(name, started, left, depth[0], _run_delay() - waited))
 
         setattr(owner, attribute, wrapper)
         restore.append(
@@ -624,7 +632,9 @@ def start_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     ended last: its time in each stage (a stage's own, without the stages inside it), for a
     collective stage split into waiting for the other ranks to arrive (the latest arrival at the
     same call minus its own) and the rest; sglang's ``init_by_mapping`` (every call); what is
-    not in any stage."""
+    not in any stage; and the plugin's own less that rank's waits for a CPU while runnable
+    outside ``init_by_mapping`` (``own_without_cpu_waits``: on 2 cores the EP 4 ranks' own
+    ``init_by_mapping`` runs take the CPUs while the last rank's plugin stages would run)."""
     results = [{**r, "stages": [StageCall(*call) for call in r["stages"]]} for r in results]
     arrived = max(r["startup"][0] for r in results)
     last = max(results, key=lambda r: r["startup"][1])
@@ -632,14 +642,19 @@ def start_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     nth: dict[str, int] = {}
     stages: dict[str, float] = {}
     waits: dict[str, float] = {}
+    cpu_waits_in: dict[str, float] = {}
     init_calls = 0
     for call in sorted(last["stages"], key=lambda c: c.entered):
         entered = max(call.entered, arrived)
         spent = max(0.0, call.left - entered)
-        inner = sum(
-            max(0.0, c.left - max(c.entered, arrived))
+        inside = [
+            c
             for c in last["stages"]
             if c.depth == call.depth + 1 and call.entered <= c.entered and c.left <= call.left
+        ]
+        inner = sum(max(0.0, c.left - max(c.entered, arrived)) for c in inside)
+        cpu_waits_in[call.name] = (
+            cpu_waits_in.get(call.name, 0.0) + call.cpu_waits - sum(c.cpu_waits for c in inside)
         )
         if call.name == INIT_BY_MAPPING:
             init_calls += 1
@@ -652,13 +667,19 @@ def start_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
         stages[call.name] = stages.get(call.name, 0.0) + spent - inner
     sglang_part = stages.pop(INIT_BY_MAPPING, 0.0)
     top = sum(max(0.0, c.left - max(c.entered, arrived)) for c in last["stages"] if c.depth == 0)
+    cpu_waits = last.get("cpu_waits", 0.0) - sum(
+        c.cpu_waits for c in last["stages"] if c.name == INIT_BY_MAPPING
+    )
     return {
         "whole": whole,
         "sglang": sglang_part,
         "init_calls": init_calls,
         "own": whole - sglang_part,
+        "own_without_cpu_waits": whole - sglang_part - max(0.0, cpu_waits),
         "stages": stages,
         "waits": waits,
+        # each stage's own waits for a CPU while runnable (not those of the stages inside it)
+        "cpu_waits": {name: max(0.0, cpu_waits_in.get(name, 0.0)) for name in stages},
         "elsewhere": whole - top,
         "rank": last["rank"],
     }
@@ -682,10 +703,21 @@ def median_start_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         **{
             key: median(f[key] for f in each)
-            for key in ("whole", "sglang", "own", "elsewhere", "received", "collectives")
+            for key in (
+                "whole",
+                "sglang",
+                "own",
+                "own_without_cpu_waits",
+                "elsewhere",
+                "received",
+                "collectives",
+            )
         },
         "init_calls": max(f["init_calls"] for f in each),
         "stages": {name: median(f["stages"].get(name, 0.0) for f in each) for name in names},
+        "cpu_waits": {
+            name: median(f.get("cpu_waits", {}).get(name, 0.0) for f in each) for name in names
+        },
         "waits": {name: median(f["waits"].get(name, 0.0) for f in each) for name in waits},
         "starts": count,
         "own_each": [f["own"] for f in each],
@@ -712,15 +744,16 @@ PROJECTED_EP = 64
 
 
 def projected_start(by_ep: dict[int, dict[str, Any]], ep: int = PROJECTED_EP) -> dict[str, Any]:
-    """EP ``ep`` on paper from the medians measured at the smallest and the largest EP size.
+    """EP ``ep`` on paper from the medians measured at the smallest and the largest EP size,
+    each stage less its own waits for a CPU while runnable (``cpu_waits``: on this machine's 2
+    cores, not on a host with a core per rank).
 
     The bytes a rank receives: the line through the two sizes (a + b * EP). A collective stage
     (``STEPS``), less its wait for the other ranks to arrive: the line through the two sizes in
-    its steps (a + b * steps(EP)), never below the largest size's figure; on 2 shared cores the
-    larger size's steps also wait for CPUs, so the slope is an upper bound. Every other stage
-    and what lies outside the stages, one rank's own work whatever the EP size: the smaller of
-    the two figures (the same work, where fewer processes share the cores). The waits for the
-    other ranks: the largest size's."""
+    its steps (a + b * steps(EP)), never below the largest size's figure. Every other stage and
+    what lies outside the stages, one rank's own work whatever the EP size: the smaller of the
+    two figures (the same work, where fewer processes share the cores). The waits for the other
+    ranks: the largest size's."""
     low, high = min(by_ep), max(by_ep)
     if low == high:
         raise ValueError("a projection needs two EP sizes")
@@ -731,14 +764,19 @@ def projected_start(by_ep: dict[int, dict[str, Any]], ep: int = PROJECTED_EP) ->
         return max(at_high, at_high + (at_high - at_low) / (x_high - x_low) * (x - x_high))
 
     small, large = by_ep[low], by_ep[high]
+
+    def net(figures: dict[str, Any], name: str) -> float:
+        value: float = figures["stages"].get(name, 0.0)
+        return max(0.0, value - figures.get("cpu_waits", {}).get(name, 0.0))
+
     stages: dict[str, float] = {}
-    for name, value in large["stages"].items():
+    for name in large["stages"]:
         steps = STEPS.get(name)
         if steps is None:
-            stages[name] = min(value, small["stages"].get(name, value))
+            stages[name] = min(net(large, name), net(small, name))
             continue
-        at_low = max(0.0, small["stages"].get(name, 0.0) - small["waits"].get(name, 0.0))
-        at_high = max(0.0, value - large["waits"].get(name, 0.0))
+        at_low = max(0.0, net(small, name) - small["waits"].get(name, 0.0))
+        at_high = max(0.0, net(large, name) - large["waits"].get(name, 0.0))
         stages[name] = line(at_low, at_high, steps(low), steps(high), steps(ep))
     waited = sum(large["waits"].values())
     return {
@@ -1089,6 +1127,12 @@ def start_lines(measured: dict[Case, dict[str, Any]]) -> list[str]:
             f"{ms(min(figures['own_each']))}; goal < "
             f"{GOAL_START_MS:g}: {'met' if own * 1e3 < GOAL_START_MS else 'not met'})"
         )
+        quiet = figures["own_without_cpu_waits"]
+        lines.append(
+            f"        the plugin's own less its waits for a CPU while runnable (the other ranks' "
+            f"init_by_mapping on the shared cores): {ms(quiet)} (goal < {GOAL_START_MS:g}: "
+            f"{'met' if quiet * 1e3 < GOAL_START_MS else 'not met'})"
+        )
         parts = []
         for name, value in figures["stages"].items():
             label = f"{name} beyond init_by_mapping" if name == ADOPT else name
@@ -1122,8 +1166,8 @@ def start_lines(measured: dict[Case, dict[str, Any]]) -> list[str]:
                 for received in map(content_bytes_on_paper, (*sorted(by_ep), paper["ep"]))
             )
             + " bytes per rank",
-            "    the plugin's own, ms: "
-            + " -> ".join(ms(by_ep[size]["own"]) for size in sorted(by_ep))
+            "    the plugin's own less its waits for a CPU, ms: "
+            + " -> ".join(ms(by_ep[size]["own_without_cpu_waits"]) for size in sorted(by_ep))
             + f" -> {ms(paper['own'])} (goal < {GOAL_START_MS:g} at EP {paper['ep']}: "
             f"{'met' if paper['own'] * 1e3 < GOAL_START_MS else 'not met'})",
             "        by stage at EP "

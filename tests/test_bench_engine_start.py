@@ -111,3 +111,37 @@ def test_on_paper_collectives_grow_in_gloos_steps_other_stages_and_bytes_as_meas
     )
     assert paper["waits"] == pytest.approx(0.0005)
     assert paper["own"] == pytest.approx(sum(paper["stages"].values()) + 0.0005 + 0.001)
+
+
+def test_the_own_time_less_cpu_waits_leaves_init_by_mappings_waits_out_of_it() -> None:
+    """The rank waited 0.3 s for a CPU during its start, 0.15 of it inside sglang's
+    init_by_mapping (already sglang's part): the plugin's own less its waits is 0.15 less."""
+    last = {
+        **_rank(
+            0,
+            0.0,
+            1.0,
+            [
+                (GATHER, 0.1, 0.3, 0, 0.05),
+                (ADOPT, 0.4, 1.0, 0, 0.2),
+                (INIT_BY_MAPPING, 0.5, 0.8, 1, 0.15),
+            ],
+        ),
+        "cpu_waits": 0.3,
+    }
+    figures = start_figures([last])
+    assert figures["own"] == pytest.approx(0.7)
+    assert figures["own_without_cpu_waits"] == pytest.approx(0.55)
+    assert figures["cpu_waits"] == pytest.approx({GATHER: 0.05, ADOPT: 0.05})
+
+
+def test_on_paper_each_stage_is_taken_less_its_own_waits_for_a_cpu() -> None:
+    by_ep = {
+        2: {**_figures({GATHER: 0.002, "attach": 0.004}, {}, 1400), "cpu_waits": {}},
+        4: {
+            **_figures({GATHER: 0.005, "attach": 0.009}, {}, 2800),
+            "cpu_waits": {GATHER: 0.002, "attach": 0.006},
+        },
+    }
+    paper = projected_start(by_ep, ep=64)
+    assert paper["stages"] == pytest.approx({GATHER: 0.003 + 0.001 * 4, "attach": 0.003})
