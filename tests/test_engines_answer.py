@@ -15,6 +15,7 @@ relative to where a test found them); the plugin-disabled and BF16 tests start t
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,33 @@ def test_d_from_disk_with_the_daemons_map_answers_as_r(
     finally:
         engine_d.exit()
     assert equal_prompts(tokens, reference) == PROMPTS
+
+
+def test_an_engine_that_stops_leaves_none_of_sglangs_shared_memory_behind(
+    workspace: Workspace,
+) -> None:
+    """sglang's tensor-parallel group puts its broadcaster in shared memory
+    (``/dev/shm/sgl_shm_mq_<pid>_*``, made by the group's first rank); a rank that ends unlinks
+    it (``engine_forward.release_model_parallel``), rather than leaving it for the resource
+    tracker, which warns about it when the engine's parent exits."""
+    engine = workspace.launch_from_disk("answers", "E")
+    pids = [process.pid for process in engine.processes]
+    try:
+        made = shared_memory_of(pids)
+    finally:
+        engine.exit()
+    assert made, "sglang's tensor-parallel group made no shared-memory broadcaster"
+    assert shared_memory_of(pids) == []
+
+
+def shared_memory_of(pids: list[int | None]) -> list[str]:
+    """sglang's shared-memory broadcasters made by the processes ``pids``."""
+    return [
+        name
+        for name in os.listdir("/dev/shm")
+        for pid in pids
+        if name.startswith(f"sgl_shm_mq_{pid}_")
+    ]
 
 
 def test_a_warm_standby_answers_as_r_while_a_keeps_rebalancing(

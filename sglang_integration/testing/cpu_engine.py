@@ -914,6 +914,19 @@ def run_engine_rank(spec: EngineSpec, rank: int, channel: Connection) -> None:
         _stop_after_converging_move(spec, rank, channel)
     _run_rank_setup(spec.rank_setup)
     try:
+        _serve_engine_rank(engine, spec, rank, channel, capture)
+    finally:
+        if spec.checkpoint is not None:
+            from sglang_integration.testing.engine_forward import release_model_parallel
+
+            release_model_parallel()
+
+
+def _serve_engine_rank(
+    engine: _EngineRank, spec: EngineSpec, rank: int, channel: Connection, capture: LogCapture
+) -> None:
+    """``run_engine_rank`` from the start on: start, report, then obey commands until ``exit``."""
+    try:
         engine.start()
     except Exception as exc:
         from layout_ledger.core.startup_verdict import ExpertLayoutStartupError

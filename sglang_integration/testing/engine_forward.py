@@ -57,6 +57,21 @@ def prepare_model_parallel(server_args: Any, model_config: Any) -> None:
     init_dp_gathered_buffer(model_config)
 
 
+def release_model_parallel() -> None:
+    """sglang's own teardown of the groups ``prepare_model_parallel`` made
+    (``destroy_model_parallel``), at a rank's end: the tensor-parallel group's shared-memory
+    broadcaster (``sgl_shm_mq_*``, made by its first rank) is unlinked by its owner, not left
+    for the resource tracker to find and warn about when the engine's parent exits (a rank's
+    process ends in ``os._exit``, which runs no finalizer)."""
+    from sglang.srt.distributed.parallel_state import (
+        destroy_model_parallel,
+        model_parallel_is_initialized,
+    )
+
+    if model_parallel_is_initialized():
+        destroy_model_parallel()
+
+
 def rebalance_in_passes(
     manager: Any,
     forward: Callable[[Sequence[Sequence[int]]], Any],
