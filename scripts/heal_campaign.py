@@ -46,18 +46,20 @@ import sqlite3
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crash_campaign import Tally, _check_restore
 from layout_ledger.core.layout import layout_digest
 from layout_ledger.history.checks import verify_incarnation
 from layout_ledger.history.reader import LedgerReader
 from layout_ledger.store.rows import incarnation
+
+if TYPE_CHECKING:
+    from sglang_integration.testing.daemon_prober import DaemonProber
 
 NUM_EXPERTS, REDUNDANT, RANKS = 8, 4, 2
 LOCAL = (NUM_EXPERTS + REDUNDANT) // RANKS  # each rank's local slots
@@ -78,6 +80,12 @@ class HealTally(Tally):
     asked: int = 0  # requests sent to the daemons during heal rounds
     unanswered: int = 0  # of them: no answer within ANSWER_WITHIN (must be 0)
     slowest: float = 0.0  # the slowest answer, seconds
+
+    def count_requests(self, probing: DaemonProber) -> None:
+        """Add a round's requests (a ``testing.daemon_prober.DaemonProber``'s) to the tally."""
+        self.asked += probing.asked
+        self.unanswered += probing.missed
+        self.slowest = max(self.slowest, probing.slowest)
 
 
 def campaign_daemon(spec: Any, rank: int, log_path: str | None = None) -> None:
@@ -100,42 +108,6 @@ def campaign_daemon(spec: Any, rank: int, log_path: str | None = None) -> None:
 
     reloader._reload_layer = slowed  # type: ignore[method-assign]
     run_model_daemon(spec, rank, log_path)
-
-
-class Prober:
-    """``ping`` and ``expert_layout_query`` to every daemon ten times a second on a thread; each
-    must answer within ``ANSWER_WITHIN`` (counted in the tally)."""
-
-    def __init__(self, sockets: list[str], tally: HealTally) -> None:
-        self.sockets, self.tally = sockets, tally
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        from sglang_integration.testing.daemon_control import request
-
-        while not self._stop.is_set():
-            for path in self.sockets:
-                for kind in ("ping", "expert_layout_query"):
-                    started = time.monotonic()
-                    try:
-                        request(path, {"type": kind}, ANSWER_WITHIN)
-                    except (OSError, EOFError, ValueError):
-                        self.tally.unanswered += 1
-                    took = time.monotonic() - started
-                    self.tally.slowest = max(self.tally.slowest, took)
-                    self.tally.asked += 1
-                    if took > ANSWER_WITHIN:
-                        self.tally.unanswered += 1
-            self._stop.wait(0.1)
-
-    def __enter__(self) -> Prober:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
 
 
 def _shard_of(checkpoint: Path, layer: int) -> Path:
@@ -239,6 +211,7 @@ def run_campaign(
 
     from sglang_integration.testing.checkpoint import CheckpointSpec, write_checkpoint
     from sglang_integration.testing.daemon_control import EngineStandIn, request
+    from sglang_integration.testing.daemon_prober import DaemonProber
     from sglang_integration.testing.daemons import launch, spec_with_flags
     from sglang_integration.testing.model_daemon import flags_of
 
@@ -285,13 +258,15 @@ def run_campaign(
             elif kind == "slow":
                 window += 20 * slow_read
             with _shard_on(kind, _shard_of(checkpoint, layers[0]), slow_read):
-                with Prober(sockets, tally):
+                probing = DaemonProber(sockets, ("ping", "expert_layout_query"), 0.1, ANSWER_WITHIN)
+                with probing:
                     for engine in engines:
                         engine.begin(layout["version"], layers)
                     _spoil(sockets[0], layers)
                     for engine in engines:
                         engine.kill()
                     time.sleep(rng.uniform(0.02, 0.02 + window))
+                tally.count_requests(probing)
                 reloading = [markers[rank].exists() for rank in range(RANKS)]
                 for rank in range(RANKS):
                     group.kill(rank)

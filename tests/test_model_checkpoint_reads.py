@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ import pytest
 from sglang_integration.testing.checkpoint import CheckpointSpec, write_checkpoint
 from sglang_integration.testing.checkpoint_experts import CheckpointExperts, count_matching
 from sglang_integration.testing.daemon_control import EngineStandIn, request
+from sglang_integration.testing.daemon_prober import DaemonProber
 from sglang_integration.testing.daemons import ModelDaemonGroup, start_model_daemons
 from sglang_integration.testing.routed_weights import attach_routed_weights
 from sglang_integration.testing.stalled_mount import fuse_available, stalled_file
@@ -68,53 +68,26 @@ def group(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         started.stop()
 
 
-class Prober:
+def prober(group: ModelDaemonGroup) -> DaemonProber:
     """Asks every rank ping, query_config, expert_layout_query and fetch_state four times a
     second on a thread; keeps the slowest answer and every failure."""
+    configs = [
+        request(group.socket(rank), {"type": "query_config"})["config"] for rank in range(RANKS)
+    ]
 
-    KINDS = ("ping", "query_config", "expert_layout_query", "fetch_state")
-
-    def __init__(self, group: ModelDaemonGroup) -> None:
-        self.group = group
-        self.configs = [
-            request(group.socket(rank), {"type": "query_config"})["config"] for rank in range(RANKS)
-        ]
-        self.slowest = 0.0
-        self.asked = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _message(self, kind: str, rank: int) -> dict[str, Any]:
+    def message(kind: str, rank: int) -> dict[str, Any]:
         if kind != "fetch_state":
             return {"type": kind}
         layout = {"engine_id": None, "version": 0, "digest": "0" * 64}
-        return {"type": kind, "config": self.configs[rank], "expert_layout": layout}
+        return {"type": kind, "config": configs[rank], "expert_layout": layout}
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for rank in range(RANKS):
-                for kind in self.KINDS:
-                    started = time.monotonic()
-                    try:
-                        reply = request(
-                            self.group.socket(rank), self._message(kind, rank), ANSWER_WITHIN
-                        )
-                        if not isinstance(reply, dict) or "status" not in reply:
-                            self.failures.append(f"rank {rank} {kind}: {reply!r}"[:200])
-                    except (OSError, EOFError, ValueError) as exc:
-                        self.failures.append(f"rank {rank} {kind}: {type(exc).__name__} {exc}")
-                    self.slowest = max(self.slowest, time.monotonic() - started)
-                    self.asked += 1
-            self._stop.wait(0.25)
-
-    def __enter__(self) -> Prober:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
+    return DaemonProber(
+        group.sockets,
+        ("ping", "query_config", "expert_layout_query", "fetch_state"),
+        interval=0.25,
+        answer_within=ANSWER_WITHIN,
+        message=message,
+    )
 
 
 def _events(group: ModelDaemonGroup, rank: int) -> list[tuple[str, str]]:
@@ -187,7 +160,7 @@ def test_a_fifo_in_place_of_a_shard_fails_the_heal_at_once_naming_it_and_every_r
     group: ModelDaemonGroup, checkpoint: Path
 ) -> None:
     shard = checkpoint / SHARD
-    with _shard_as_fifo(shard), Prober(group) as prober:
+    with _shard_as_fifo(shard), prober(group) as probing:
         killed = _leave_mid_move(group)
         ends = [_wait_heal_end(group, rank, HEAL_TIMEOUT + 10) for rank in range(RANKS)]
         took = time.monotonic() - killed
@@ -199,8 +172,8 @@ def test_a_fifo_in_place_of_a_shard_fails_the_heal_at_once_naming_it_and_every_r
             f"refused without reading it, a read could block)"
         ) in reason
     assert took < HEAL_TIMEOUT
-    assert prober.failures == [] and prober.asked >= 16
-    assert prober.slowest < ANSWER_WITHIN
+    assert probing.failures == [] and probing.asked >= 16
+    assert probing.slowest < ANSWER_WITHIN
     _heal_by_hand(group, checkpoint)
 
 
@@ -209,7 +182,7 @@ def test_a_shard_on_a_mount_that_stopped_answering_fails_the_heal_at_its_deadlin
     group: ModelDaemonGroup, checkpoint: Path
 ) -> None:
     shard = checkpoint / SHARD
-    with stalled_file(shard, "blocked"), Prober(group) as prober:
+    with stalled_file(shard, "blocked"), prober(group) as probing:
         killed = _leave_mid_move(group)
         ends = [_wait_heal_end(group, rank, HEAL_TIMEOUT + 30) for rank in range(RANKS)]
         took = time.monotonic() - killed
@@ -221,8 +194,8 @@ def test_a_shard_on_a_mount_that_stopped_answering_fails_the_heal_at_its_deadlin
             f"{HEAL_TIMEOUT:g} s (--expert-layout-heal-timeout), the reader was killed"
         ) in reason.replace("\n", " ")
     assert HEAL_TIMEOUT <= took < HEAL_TIMEOUT + 3.0
-    assert prober.failures == [] and prober.asked >= 8 * HEAL_TIMEOUT
-    assert prober.slowest < ANSWER_WITHIN
+    assert probing.failures == [] and probing.asked >= 8 * HEAL_TIMEOUT
+    assert probing.slowest < ANSWER_WITHIN
     _heal_by_hand(group, checkpoint)
 
 
