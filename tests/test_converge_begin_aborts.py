@@ -17,6 +17,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from gloo_world import WorldGroup
+
 from layout_ledger.core.layout import Geometry, layout_digest, trivial_map
 from sglang_integration.testing.cpu_engine import free_port, one_result_per_rank
 from sglang_integration.testing.daemon import model_less_cache_config
@@ -27,25 +29,6 @@ LAYERS, LOGICAL, PHYSICAL = 2, 6, 8
 GEOMETRY = Geometry(LAYERS, PHYSICAL, LOGICAL)
 INITIAL = trivial_map(LAYERS, PHYSICAL, LOGICAL)
 TARGET = [[1, 0, *INITIAL[0][2:]], INITIAL[1]]
-
-
-class _Group:
-    """torch's default gloo group under the names sglang's ``GroupCoordinator`` gives it."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.world_size = dist.get_world_size()
-        self.rank_in_group = dist.get_rank()
-        self.ranks = list(range(self.world_size))
-        self.cpu_group = dist.group.WORLD
-
-    def all_gather_object(self, value: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
-        return gathered
 
 
 def _plan(sockets: list[str]) -> Any:
@@ -69,7 +52,7 @@ def _rank(rank: int, port: int, sockets: list[str], out: Connection) -> None:
     attachment = client.attach(sockets[rank], "engine-b")
     connection = client.LayoutConnection(sockets[rank], "engine-b")
     try:
-        begin_moves(_Group(), _plan(sockets), rank, connection)
+        begin_moves(WorldGroup(), _plan(sockets), rank, connection)
         out.send("started")
     except Exception as exc:
         out.send(f"{type(exc).__name__}: {exc}")

@@ -12,23 +12,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
+from gloo_world import WorldGroup
 
 from layout_ledger.wire.protocol import Outcome, Reply
 from sglang_integration.engine import reply_gather as small_gather
 from sglang_integration.testing.cpu_engine import free_port, one_result_per_rank
 from sglang_integration.testing.sglang_env import set_quiet_sglang_env
-
-
-class _Group:
-    """torch's default gloo group under the names sglang's ``GroupCoordinator`` gives it."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.world_size = dist.get_world_size()
-        self.rank_in_group = dist.get_rank()
-        self.ranks = list(range(self.world_size))
-        self.cpu_group = dist.group.WORLD
 
 
 def _rank(rank: int, size: int, port: int, values: list[Any], out: Connection) -> None:
@@ -39,7 +28,7 @@ def _rank(rank: int, size: int, port: int, values: list[Any], out: Connection) -
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
     )
     try:
-        group = _Group()
+        group = WorldGroup()
         out.send([small_gather.all_gather_small(group, value(rank)) for value in values])
     finally:
         dist.destroy_process_group()
