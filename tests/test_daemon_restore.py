@@ -194,19 +194,26 @@ def test_a_ledger_that_offers_nothing_restorable_loads_the_initial_layout_and_sa
 SHAPE = ExpertTensorShape(LAYERS, LOGICAL, PHYSICAL, ep_size=1)
 
 
-def test_each_slot_loaded_into_the_restored_layout_is_checked_against_the_ledger(
-    tmp_path: Path,
-) -> None:
+def moved_in_shared_bytes(tmp_path: Path) -> tuple[Path, DaemonProcess]:
+    """A daemon over shared expert files, at version 1: layer 0 moved to ``ROW`` in the shared
+    bytes and committed by an engine that has since detached. Its expert files and the daemon."""
     experts_dir = tmp_path / "experts"
     experts = create_shared_experts(experts_dir, 0, SHAPE, INITIAL)
-    first = start(tmp_path, "--experts", str(experts_dir))
-    engine = EngineStandIn.start(first.socket_path, "engine-a")
+    daemon = start(tmp_path, "--experts", str(experts_dir))
+    engine = EngineStandIn.start(daemon.socket_path, "engine-a")
     try:
         assert engine.begin(0, [0]).ok
         experts.fill([ROW, INITIAL[1], INITIAL[2]])  # the move, in the shared bytes
         assert engine.commit({0: ROW}).ok
     finally:
         engine.exit()
+    return experts_dir, daemon
+
+
+def test_each_slot_loaded_into_the_restored_layout_is_checked_against_the_ledger(
+    tmp_path: Path,
+) -> None:
+    experts_dir, first = moved_in_shared_bytes(tmp_path)
     first.kill()
     restored = [ROW, INITIAL[1], INITIAL[2]]
 
@@ -246,16 +253,7 @@ def test_a_load_that_went_wrong_is_never_the_baseline_of_a_later_restore(tmp_pat
     recorded what that load left; the next restarts on the same files judge their slots against
     the clean load before it, never against it: right bytes come up clean, wrong bytes dirty,
     as often as they are restarted, and verify finds every version's contents consistent."""
-    experts_dir = tmp_path / "experts"
-    experts = create_shared_experts(experts_dir, 0, SHAPE, INITIAL)
-    first = start(tmp_path, "--experts", str(experts_dir))
-    engine = EngineStandIn.start(first.socket_path, "engine-a")
-    try:
-        assert engine.begin(0, [0]).ok
-        experts.fill([ROW, INITIAL[1], INITIAL[2]])
-        assert engine.commit({0: ROW}).ok
-    finally:
-        engine.exit()
+    experts_dir, first = moved_in_shared_bytes(tmp_path)
     first.stop()
     restored = [ROW, INITIAL[1], INITIAL[2]]
     wrong = [list(row) for row in restored]
