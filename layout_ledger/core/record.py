@@ -765,16 +765,8 @@ class LayoutRecord:
             self.reloading = Reloading(ev.RELOAD, tuple(sorted(slots)), valid_id)
         # The read and the writes run outside the lock: queries, fetches (refused: a move is
         # pending) and the attach watcher go on while a file blocks, up to the read deadline.
-        report = None
-        failure: Exception | None = None
-        try:
-            if slots:
-                report = reloader(new_map, slots)
-        except Exception as exc:
-            failure = exc
-        except BaseException:  # a kill: the move stays pending, so the daemon ends dirty
-            self._reloading_ended()
-            raise
+        # A kill during the read leaves the move pending, so the daemon ends dirty.
+        report, failure = self._read_unlocked(reloader, new_map, slots) if slots else (None, None)
         with self._lock:
             self.reloading = None
             self._after_reload(move, layers, version)
@@ -807,9 +799,20 @@ class LayoutRecord:
                 self._check_committed_content(found, verb="reload")
             return result[0], result[1], report
 
-    def _reloading_ended(self) -> None:
-        with self._lock:
-            self.reloading = None
+    def _read_unlocked(
+        self, reloader: SlotReloader, the_map: Map, slots: Mapping[int, Sequence[int]]
+    ) -> tuple[ReloadReport | None, Exception | None]:
+        """Run a heal's or reload's ``reloader`` outside the lock (``reloading`` set by the
+        caller): its report, or the exception it failed with. Anything else raised (a kill, an
+        interrupt) clears ``reloading`` and goes on up."""
+        try:
+            return reloader(the_map, slots), None
+        except Exception as exc:
+            return None, exc
+        except BaseException:
+            with self._lock:
+                self.reloading = None
+            raise
 
     def _after_reload(self, move: PendingMove, layers: Sequence[int], version: Any) -> None:
         """Back under the lock after a reload's writes: the incarnation must still be live and
@@ -894,15 +897,8 @@ class LayoutRecord:
             slots = all_local_slots(layers, recorded.first_slot, rules.local_slot_count(recorded))
             mark = self.dirty
             self.reloading = Reloading(ev.HEAL, layers)
-        report: ReloadReport | None = None
-        failure: Exception | None = None
-        try:
-            report = reloader(the_map, slots)
-        except Exception as exc:
-            failure = exc
-        except BaseException:  # a kill: the mark stays, so the daemon ends dirty
-            self._reloading_ended()
-            raise
+        # A kill during the read leaves the mark, so the daemon ends dirty.
+        report, failure = self._read_unlocked(reloader, the_map, slots)
         with self._lock:
             self.reloading = None
             if self.end_state is not None:
