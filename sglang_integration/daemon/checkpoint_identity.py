@@ -51,14 +51,9 @@ def checkpoint_digest(
     if not directory.is_dir():
         return _digest({"model": os.fspath(model_path), "load": load})
     files = _files(directory)
-    return _digest(
-        {
-            "config": _file_digest(directory / CONFIG_FILE),
-            "indexes": {entry.name: _file_digest(entry) for entry in _indexes(files)},
-            "load": load,
-            "weight_files": [_stamp(entry) for entry in files if _is_weight(entry)],
-        }
-    )
+    identity = _structure(directory, files, load)
+    identity["weight_files"] = [_stamp(entry) for entry in files if _is_weight(entry)]
+    return _digest(identity)
 
 
 def structure_digest(
@@ -75,17 +70,22 @@ def structure_digest(
     if not directory.is_dir():
         return _digest({"model": os.fspath(model_path), "load": load})
     files = _files(directory)
-    indexes = _indexes(files)
-    identity: dict[str, Any] = {
-        "config": _file_digest(directory / CONFIG_FILE),
-        "indexes": {entry.name: _file_digest(entry) for entry in indexes},
-        "load": load,
-    }
-    if not indexes:
+    identity = _structure(directory, files, load)
+    if not identity["indexes"]:
         identity["weights"] = [
             [entry.name, entry.stat().st_size] for entry in files if _is_weight(entry)
         ]
     return _digest(identity)
+
+
+def _structure(directory: Path, files: list[Path], load: dict[str, str]) -> dict[str, Any]:
+    """What both identities hold: ``config.json``'s digest, each index's and the load settings
+    (the JSON keys are sorted when digested, so more can be added)."""
+    return {
+        "config": _file_digest(directory / CONFIG_FILE),
+        "indexes": {entry.name: _file_digest(entry) for entry in _indexes(files)},
+        "load": load,
+    }
 
 
 def _load(dtype: Any, quantization: Any, revision: Any) -> dict[str, str]:
