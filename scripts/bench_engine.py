@@ -69,6 +69,7 @@ from sglang_integration.testing.cpu_engine import (
     write_tiny_moe_config,
 )
 from sglang_integration.testing.daemon_control import start_daemon
+from sglang_integration.testing.schedstat import run_delay
 from sglang_integration.testing.slow_relay import start_slow_relay
 
 NUM_LAYERS, FIRST_MOE_LAYER, NUM_LOGICAL, NUM_REDUNDANT = 61, 3, 256, 32
@@ -98,25 +99,6 @@ class RankJob:
     pass_seconds: float
     agent_policy_ab: bool
     starts: int = 1
-
-
-_SCHEDSTAT: dict[int, int] = {}  # thread id -> its open /proc/thread-self/schedstat
-
-
-def _run_delay() -> float:
-    """Seconds this thread has waited for a CPU while runnable (``/proc/thread-self/schedstat``,
-    its second field, in ns; the file is kept open and read again from its start, a few
-    microseconds); 0 where the kernel keeps no schedstats."""
-    import threading
-
-    thread = threading.get_ident()
-    try:
-        descriptor = _SCHEDSTAT.get(thread)
-        if descriptor is None:
-            descriptor = _SCHEDSTAT[thread] = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        return int(os.pread(descriptor, 128, 0).split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 class _MainThreadCollections:
@@ -162,8 +144,8 @@ class Spent:
         most a wait at the edge of a span."""
         if wall_first:
             wall = time.perf_counter()
-            return Spent(wall, time.thread_time(), _run_delay(), _MainThreadCollections.seconds)
-        cpu, runqueue = time.thread_time(), _run_delay()
+            return Spent(wall, time.thread_time(), run_delay(), _MainThreadCollections.seconds)
+        cpu, runqueue = time.thread_time(), run_delay()
         return Spent(time.perf_counter(), cpu, runqueue, _MainThreadCollections.seconds)
 
     def since(self, start: Spent) -> Spent:
@@ -388,7 +370,7 @@ def _rank(job: RankJob, out: Connection) -> None:
         stages.clear()
         world_group.barrier()
         traffic.reset()
-        waited = _run_delay()
+        waited = run_delay()
         started = time.perf_counter()
         engine_startup.start_from_daemon_layout(
             model_config=model_config,
@@ -397,7 +379,7 @@ def _rank(job: RankJob, out: Connection) -> None:
             socket_path=job.sockets[rank],
         )
         ended = time.perf_counter()
-        waited = _run_delay() - waited
+        waited = run_delay() - waited
         starts.append(
             {
                 "rank": rank,
@@ -561,7 +543,7 @@ COLLECTIVE_STAGES = (ENGINE_ID, GROUP, GATHER)
 class StageCall:
     """One timed call: ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock shared by
     every rank process) when it was entered and left, how many timed calls it was in, and the
-    seconds its thread waited for a CPU while runnable meanwhile (``_run_delay``)."""
+    seconds its thread waited for a CPU while runnable meanwhile (``schedstat.run_delay``)."""
 
     name: str
     entered: float
@@ -590,7 +572,7 @@ def _timed_start_stages(
         own = attribute in vars(owner)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            waited = _run_delay()
+            waited = run_delay()
             started = time.perf_counter()
             depth[0] += 1
             try:
@@ -598,7 +580,7 @@ def _timed_start_stages(
             finally:
                 depth[0] -= 1
                 left = time.perf_counter()
-                calls.append(StageCall(name, started, left, depth[0], _run_delay() - waited))
+                calls.append(StageCall(name, started, left, depth[0], run_delay() - waited))
 
         setattr(owner, attribute, wrapper)
         restore.append(

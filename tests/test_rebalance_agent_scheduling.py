@@ -21,7 +21,7 @@ from sglang_integration.engine.rebalance import DaemonClient
 from sglang_integration.engine.rebalance_agent import BeginJob, PluginGroup, RebalanceAgent
 from sglang_integration.engine.rebalance_decisions import BeginAction
 from sglang_integration.testing.daemon_control import start_daemon
-from sglang_integration.testing.decode_steps import thread_schedstat
+from sglang_integration.testing.schedstat import thread_schedstat
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")

@@ -27,25 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_integration.testing.schedstat import run_delay, thread_schedstat
+
 # What one pass's record holds, in this order (a list per pass keeps the pipe's pickle small).
 PASS_FIELDS = ("kind", "seconds", "cpu_seconds", "run_delay", "moved_layers", "move_seconds")
-_SCHEDSTAT = "/proc/thread-self/schedstat"
-
-
-def run_delay() -> float:
-    """Seconds the calling thread has waited for a CPU while runnable (0 without schedstat)."""
-    return thread_schedstat(_SCHEDSTAT)[1]
-
-
-def thread_schedstat(path: str) -> tuple[float, float, int]:
-    """A thread's schedstat: seconds on a CPU, seconds waiting for one while runnable, and the
-    times it was put on a CPU (zeros where the file is missing)."""
-    try:
-        with open(path, "rb") as handle:
-            fields = handle.read(128).split()
-        return int(fields[0]) / 1e9, int(fields[1]) / 1e9, int(fields[2])
-    except (OSError, IndexError, ValueError):
-        return 0.0, 0.0, 0
 
 
 def _agent_figures() -> tuple[float, float, int, int] | None:
